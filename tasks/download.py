@@ -1,0 +1,70 @@
+"""download: resolve model and dataset ids to local files (cached across flow runs)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
+from prefect.context import TaskRunContext
+
+from tasks.refs import DatasetRef, ModelRef
+from twinkle_core.hashing import hash_json
+from twinkle_core.hub import HubError, resolve_dataset, resolve_model
+from twinkle_core.paths import cache_root
+
+
+def _local_fingerprint(path: Path) -> list:
+    """Size and mtime of a local file or of every file in a folder: editing it changes the cache key."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
+def _local_source(text: str) -> Path | None:
+    """The local file or folder behind a local or pkg:// id (found without importing the package)."""
+    if text.startswith("pkg://"):
+        package, _, inner = text[len("pkg://"):].partition("/")
+        spec = importlib.util.find_spec(package) if package.isidentifier() else None
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        return Path(locations[0]) / inner if locations else None
+    if "://" not in text or text.startswith("file://"):
+        return Path(text.removeprefix("file://")).expanduser()
+    return None
+
+
+def _id_cache_key(context: TaskRunContext, parameters: dict) -> str:
+    """Remote ids are keyed by the id (the hub pins content by revision); local ones also by their files."""
+    text = next(iter(parameters.values()))
+    local = _local_source(text)
+    fingerprint = _local_fingerprint(local) if local is not None and local.exists() else None
+    return hash_json([text, fingerprint, str(cache_root())])
+
+
+def _is_transient(task, task_run, state) -> bool:
+    """Retry network hiccups, not ids that are wrong (HubError says what to fix)."""
+    try:
+        state.result()
+    except HubError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+ID_CACHE = TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_id_cache_key)
+
+
+@task(cache_policy=ID_CACHE, persist_result=True, retries=2, retry_delay_seconds=5,
+      retry_condition_fn=_is_transient)
+def download_model(model_id: str) -> ModelRef:
+    """Resolve a model id (ms://, hf://, pkg://, local, GGUF) to a Hugging Face directory."""
+    resolved = resolve_model(model_id)
+    return ModelRef(model_id=model_id, path=str(resolved.path), content_hash=resolved.content_hash)
+
+
+@task(cache_policy=ID_CACHE, persist_result=True, retries=2, retry_delay_seconds=5,
+      retry_condition_fn=_is_transient)
+def download_dataset(dataset_id: str) -> DatasetRef:
+    """Resolve a dataset id (ms://, hf://, pkg://, local .jsonl/.json/.parquet) to one local file."""
+    resolved = resolve_dataset(dataset_id)
+    return DatasetRef(dataset_id=dataset_id, path=str(resolved.path), content_hash=resolved.content_hash)

@@ -1,0 +1,19 @@
+"""sample_prompts: the first held-out conversations, cut before their last answer, for the demo."""
+from __future__ import annotations
+
+from prefect import task
+
+from tasks.refs import DatasetRef
+from twinkle_core.data import load_rows
+
+
+@task
+def sample_prompts(dataset: DatasetRef, count: int) -> list[list[dict]]:
+    """Up to `count` conversations ending with a user turn (the model answers it)."""
+    rows = load_rows(dataset.path, kind="chat", max_bad_fraction=1.0).rows
+    prompts = []
+    for row in rows[:count]:
+        messages = row["messages"]
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        prompts.append(messages[:last_user + 1])
+    return prompts

@@ -1,0 +1,33 @@
+"""What tasks pass to each other: paths plus content hashes, never live objects."""
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+
+class ModelRef(BaseModel):
+    model_id: str
+    path: str
+    content_hash: str
+    backend: str = "transformers"
+
+
+class DatasetRef(BaseModel):
+    dataset_id: str
+    path: str
+    content_hash: str
+
+
+class TokenizedRef(BaseModel):
+    path: str
+    content_hash: str
+    num_rows: int
+    num_bad: int
+    num_tokens: int
+    num_trained_tokens: int
+
+
+class CheckpointRef(BaseModel):
+    path: str
+    is_adapter: bool
+    final_metrics: dict[str, float]
+    train_seconds: float

@@ -1,0 +1,22 @@
+"""register: log the trained model to MLflow and create a registered version (candidate / champion)."""
+from __future__ import annotations
+
+from mlflow import MlflowClient
+from prefect import get_run_logger, task
+
+from tasks.refs import CheckpointRef
+from twinkle_core.tracking import register_version, tracking_uri
+
+ARTIFACT_PATH = "model"
+
+
+@task
+def register(checkpoint: CheckpointRef, name: str, mlflow_run_id: str, eval_loss: float) -> dict:
+    """Upload the adapter/model as the run's artifact and register it; champion moves only if it wins."""
+    client = MlflowClient(tracking_uri())
+    client.log_artifacts(mlflow_run_id, checkpoint.path, ARTIFACT_PATH)
+    result = register_version(client, name, mlflow_run_id, ARTIFACT_PATH, eval_loss)
+    get_run_logger().info("registered %s version %s: %s", name, result.version, result.decision())
+    return {"name": result.name, "version": result.version, "promoted": result.promoted,
+            "decision": result.decision(), "champion_version": result.champion_version,
+            "champion_loss": result.champion_loss}

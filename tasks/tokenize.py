@@ -1,0 +1,24 @@
+"""tokenize: encode a dataset with the model's tokenizer and chat template (cached by content)."""
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+
+from tasks.refs import DatasetRef, ModelRef, TokenizedRef
+from twinkle_core.data import tokenize_dataset
+
+
+@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True)
+def tokenize(dataset: DatasetRef, model: ModelRef, max_length: int, packing: bool = False,
+             max_bad_fraction: float = 0.01, kind: str = "chat") -> TokenizedRef:
+    """Tokenise `dataset` for `model`; inputs carry content hashes, so an edited file re-runs this."""
+    result = tokenize_dataset(dataset.path, model.path, kind=kind, max_length=max_length, packing=packing,
+                              max_bad_fraction=max_bad_fraction)
+    log = get_run_logger()
+    log.info("%s: %d rows, %d tokens (%d trained), %d bad rows skipped", dataset.dataset_id, result.num_rows,
+             result.num_tokens, result.num_trained_tokens, result.num_bad)
+    for bad in result.bad[:10]:
+        log.warning("skipped %s", bad)
+    return TokenizedRef(path=str(result.path), content_hash=result.content_hash, num_rows=result.num_rows,
+                        num_bad=result.num_bad, num_tokens=result.num_tokens,
+                        num_trained_tokens=result.num_trained_tokens)

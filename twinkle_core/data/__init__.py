@@ -1,0 +1,18 @@
+"""Training data: load and validate rows, encode them with label masks, pack, batch and cache."""
+from .collate import block_causal_mask, collate
+from .encode import IGNORE_INDEX, count_trained_tokens, encode_chat, encode_prompt, encode_text, truncate
+from .errors import ChatTemplateError, DatasetError, RowError
+from .formats import RowFormat, get_row_format, register_row_format, row_kinds
+from .packing import pack_examples
+from .rows import BadRow, LoadedRows, load_rows
+from .templates import DEFAULT_CHAT_TEMPLATE, assistant_spans, render_chat
+from .tokenized import FORMAT_VERSION, TokenizedDataset, load_tokenized, read_meta, tokenize_dataset
+from .validate import validate_chat_row, validate_text_row
+
+__all__ = [
+    "BadRow", "ChatTemplateError", "DEFAULT_CHAT_TEMPLATE", "DatasetError", "FORMAT_VERSION", "IGNORE_INDEX",
+    "LoadedRows", "RowError", "RowFormat", "TokenizedDataset", "assistant_spans", "block_causal_mask", "collate",
+    "count_trained_tokens", "encode_chat", "encode_prompt", "encode_text", "get_row_format", "load_rows",
+    "load_tokenized", "pack_examples", "read_meta", "register_row_format", "render_chat", "row_kinds",
+    "tokenize_dataset", "truncate", "validate_chat_row", "validate_text_row",
+]

@@ -1,0 +1,65 @@
+"""Batch encoded examples into padded tensors."""
+from __future__ import annotations
+
+import torch
+
+from .encode import IGNORE_INDEX
+
+
+def _pad(rows: list[list[int]], length: int, value: int) -> torch.Tensor:
+    return torch.tensor([list(row) + [value] * (length - len(row)) for row in rows], dtype=torch.long)
+
+
+def block_causal_mask(position_ids: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive [B, 1, T, T] mask: each token sees earlier tokens of its own sample only.
+
+    Samples start where position_ids is 0. sdpa and eager attention take a 4D mask as is and do not
+    infer sample boundaries from position_ids themselves. Padding tokens see only themselves, so no
+    softmax row is empty (an all-masked row gives NaN).
+    """
+    batch, length = position_ids.shape
+    steps = torch.arange(length)
+    valid = steps[None, :] < lengths[:, None]
+    sample = torch.cumsum(position_ids == 0, dim=-1)
+    sample = torch.where(valid, sample, -1 - steps[None, :])
+    allowed = (sample[:, :, None] == sample[:, None, :]) & (steps[None, :, None] >= steps[None, None, :])
+    mask = torch.zeros(batch, length, length, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def collate(
+    examples: list[dict],
+    pad_token_id: int | None,
+    pad_to_multiple_of: int | None = None,
+    mask_dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Right-pad a batch: input_ids with pad_token_id, labels with -100.
+
+    Plain examples get a [B, T] attention_mask. Packed examples (with position_ids) get position_ids and
+    a [B, 1, T, T] block-diagonal causal mask of `mask_dtype` (pass the model's dtype: sdpa rejects a float
+    mask of another dtype). Flash-attention models should drop that mask and rely on position_ids.
+    """
+    if not examples:
+        raise ValueError("collate needs at least one example")
+    if pad_token_id is None:
+        raise ValueError("pad_token_id is None; set tokenizer.pad_token (e.g. to the eos token) before batching")
+    packed = ["position_ids" in example for example in examples]
+    if any(packed) and not all(packed):
+        raise ValueError("a batch mixes packed examples (with position_ids) and plain ones; pack all or none")
+    lengths = torch.tensor([len(example["input_ids"]) for example in examples])
+    length = int(lengths.max())
+    if pad_to_multiple_of:
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    batch = {
+        "input_ids": _pad([e["input_ids"] for e in examples], length, pad_token_id),
+        "labels": _pad([e["labels"] for e in examples], length, IGNORE_INDEX),
+    }
+    if all(packed):
+        for index, example in enumerate(examples):
+            if example["position_ids"][0] != 0:
+                raise ValueError(f"packed example {index} has position_ids starting at {example['position_ids'][0]}, not 0")
+        batch["position_ids"] = _pad([e["position_ids"] for e in examples], length, 0)
+        batch["attention_mask"] = block_causal_mask(batch["position_ids"], lengths, mask_dtype)
+    else:
+        batch["attention_mask"] = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    return batch

@@ -1,0 +1,68 @@
+"""Turn validated rows into token ids and labels (-100 where no loss is taken)."""
+from __future__ import annotations
+
+import torch
+
+from .templates import assistant_spans, render_chat
+
+IGNORE_INDEX = -100
+
+
+def _tokenize_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path!r} is a slow (Python) tokenizer; label masking needs character "
+            "offsets, which only fast tokenizers give: load it with use_fast=True or ship a tokenizer.json"
+        )
+    # The template already writes BOS and friends; add_special_tokens=True would add BOS a second time.
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(encoded["input_ids"]), [tuple(pair) for pair in encoded["offset_mapping"]]
+
+
+def truncate(example: dict, max_length: int | None) -> dict:
+    """Keep the first `max_length` tokens of every per-token list in `example`."""
+    if max_length is None or len(example["input_ids"]) <= max_length:
+        return example
+    return {key: value[:max_length] for key, value in example.items()}
+
+
+def encode_chat(tokenizer, messages: list[dict], max_length: int | None = None) -> dict:
+    """Token ids of the rendered conversation; labels only on assistant replies and their end-of-turn token."""
+    text, spans = assistant_spans(tokenizer, messages)
+    input_ids, offsets = _tokenize_with_offsets(tokenizer, text)
+    labels = [IGNORE_INDEX] * len(input_ids)
+    span_index = 0
+    for position, (start, end) in enumerate(offsets):
+        # Spans and offsets are both in text order, so one pass over each suffices.
+        while span_index < len(spans) and spans[span_index][1] <= start:
+            span_index += 1
+        if span_index == len(spans):
+            break
+        span_start, span_end = spans[span_index]
+        if end > span_start and start < span_end:  # any overlap: a token straddling header and reply is trained
+            labels[position] = input_ids[position]
+    return truncate({"input_ids": input_ids, "labels": labels}, max_length)
+
+
+def encode_text(tokenizer, text: str, max_length: int | None = None) -> dict:
+    """Pre-training tokens: the tokenizer's own BOS convention, EOS appended, every token trained."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path!r} has no eos_token; set eos_token in tokenizer_config.json"
+        )
+    input_ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if not input_ids or input_ids[-1] != tokenizer.eos_token_id:
+        input_ids.append(tokenizer.eos_token_id)
+    return truncate({"input_ids": input_ids, "labels": list(input_ids)}, max_length)
+
+
+def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation followed by the assistant header, ready for generation."""
+    text = render_chat(tokenizer, messages, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def count_trained_tokens(labels) -> int:
+    """Tokens that carry loss: labels != -100, past position 0 (causal LMs never predict the first token)."""
+    tensor = torch.as_tensor(labels)
+    return int((tensor[..., 1:] != IGNORE_INDEX).sum())

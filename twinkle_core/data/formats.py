@@ -1,0 +1,50 @@
+"""Row kinds: how a row of each kind is validated and encoded, in a registry new kinds can join.
+
+Embedding (query/positive/negatives), VLM (images) and preference (chosen/rejected) rows register
+here with their own validator and encoder; load_rows and tokenize_dataset only look kinds up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .encode import encode_chat, encode_text
+from .validate import validate_chat_row, validate_text_row
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """A row kind: `validate(row)` returns the normalised row or raises RowError;
+    `encode(tokenizer, row)` returns a dict of per-token lists (at least input_ids and labels), untruncated."""
+
+    kind: str
+    validate: Callable[[Any], dict]
+    encode: Callable[[Any, dict], dict]
+
+
+_FORMATS: dict[str, RowFormat] = {}
+
+
+def register_row_format(row_format: RowFormat) -> RowFormat:
+    """Add a row kind; a kind can be registered only once."""
+    if row_format.kind in _FORMATS:
+        raise ValueError(f"row kind {row_format.kind!r} is already registered; register the new format under another kind")
+    _FORMATS[row_format.kind] = row_format
+    return row_format
+
+
+def get_row_format(kind: str) -> RowFormat:
+    """The registered format of `kind`."""
+    try:
+        return _FORMATS[kind]
+    except KeyError:
+        raise ValueError(f"kind={kind!r} is not a known row kind; use one of: {', '.join(sorted(_FORMATS))}") from None
+
+
+def row_kinds() -> list[str]:
+    """The registered row kinds, sorted."""
+    return sorted(_FORMATS)
+
+
+register_row_format(RowFormat("chat", validate_chat_row, lambda tokenizer, row: encode_chat(tokenizer, row["messages"])))
+register_row_format(RowFormat("text", validate_text_row, lambda tokenizer, row: encode_text(tokenizer, row["text"])))

@@ -1,0 +1,37 @@
+"""Pack several encoded examples into one sequence, keeping samples from seeing or predicting each other."""
+from __future__ import annotations
+
+from .encode import IGNORE_INDEX
+
+
+def _append(packed: dict, example: dict) -> None:
+    labels = list(example["labels"])
+    # With the causal shift, a sample's first label would be predicted from the previous sample's last token.
+    labels[0] = IGNORE_INDEX
+    packed["input_ids"].extend(example["input_ids"])
+    packed["labels"].extend(labels)
+    packed["position_ids"].extend(range(len(example["input_ids"])))
+
+
+def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
+    """Concatenate examples in order into sequences of at most `max_length` tokens (greedy next-fit).
+
+    Each packed sequence has input_ids, labels and position_ids; position_ids restart at 0 for each
+    sample, which is how collate (and flash-attention kernels) find the sample boundaries.
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length={max_length} must be a positive number of tokens")
+    packs: list[dict] = []
+    current: dict | None = None
+    for index, example in enumerate(examples):
+        length = len(example["input_ids"])
+        if length == 0 or length > max_length:
+            raise ValueError(
+                f"example {index} has {length} tokens; packing needs 1..max_length={max_length} "
+                "(truncate examples before packing)"
+            )
+        if current is None or len(current["input_ids"]) + length > max_length:
+            current = {"input_ids": [], "labels": [], "position_ids": []}
+            packs.append(current)
+        _append(current, example)
+    return packs

@@ -1,0 +1,91 @@
+"""Load a data file into validated rows, skipping and reporting the bad ones."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import DatasetError, RowError
+from .formats import get_row_format
+from .readers import read_records
+
+logger = logging.getLogger(__name__)
+
+LOGGED_BAD_ROWS = 10  # how many bad rows a warning or an error spells out
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A skipped row: its file, its line (row number for .json lists and parquet, 1-based) and why."""
+
+    file: str
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.reason}"
+
+
+@dataclass
+class LoadedRows:
+    """Good rows (normalised), their line numbers, and the bad rows that were skipped."""
+
+    rows: list[dict] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)
+    bad: list[BadRow] = field(default_factory=list)
+
+
+def load_rows(path: str | Path, kind: str = "chat", max_bad_fraction: float = 0.01) -> LoadedRows:
+    """Read and validate every row of a .jsonl, .json or .parquet file.
+
+    Raises DatasetError when more than `max_bad_fraction` of the rows are bad, and always when none is good.
+    """
+    check_fraction(max_bad_fraction)
+    validate = get_row_format(kind).validate
+    path = Path(path)
+    loaded = LoadedRows()
+    for number, record in read_records(path):
+        try:
+            if isinstance(record, RowError):
+                raise record
+            loaded.rows.append(validate(record))
+            loaded.lines.append(number)
+        except RowError as error:
+            loaded.bad.append(BadRow(str(path), number, str(error)))
+    report_bad_rows(loaded.bad, len(loaded.rows) + len(loaded.bad), max_bad_fraction, str(path))
+    return loaded
+
+
+def check_fraction(max_bad_fraction: float) -> None:
+    if not 0.0 <= max_bad_fraction <= 1.0:
+        raise ValueError(f"max_bad_fraction={max_bad_fraction!r} must be between 0 and 1 (e.g. 0.01 for 1%)")
+
+
+def _listing(bad: list[BadRow]) -> str:
+    lines = [f"  {row}" for row in bad[:LOGGED_BAD_ROWS]]
+    if len(bad) > LOGGED_BAD_ROWS:
+        lines.append(f"  ... and {len(bad) - LOGGED_BAD_ROWS} more")
+    return "\n".join(lines)
+
+
+def report_bad_rows(
+    bad: list[BadRow], total: int, max_bad_fraction: float, source: str, num_bad: int | None = None
+) -> None:
+    """Warn about skipped rows; raise DatasetError above the threshold or when no row is left.
+
+    `num_bad` is the true count when `bad` is a truncated listing.
+    """
+    num_bad = len(bad) if num_bad is None else num_bad
+    if total == 0:
+        raise DatasetError(f"{source} has no rows; it needs at least one")
+    if num_bad >= total:
+        raise DatasetError(f"{source}: none of its {total} rows is usable:\n{_listing(bad)}")
+    if num_bad == 0:
+        return
+    if num_bad > max_bad_fraction * total:
+        raise DatasetError(
+            f"{source}: {num_bad} of {total} rows are bad ({num_bad / total:.1%}), more than "
+            f"max_bad_fraction={max_bad_fraction}:\n{_listing(bad)}\n"
+            "Fix these rows, or raise max_bad_fraction to skip them."
+        )
+    logger.warning("%s: skipping %d bad rows of %d:\n%s", source, num_bad, total, _listing(bad))

@@ -1,0 +1,142 @@
+"""Tokenise a data file once and cache the result under a content-derived key."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..atomic import atomic_dir
+from ..hashing import hash_file, hash_json
+from ..paths import cache_dir
+from .encode import count_trained_tokens, truncate
+from .formats import get_row_format
+from .packing import pack_examples
+from .rows import BadRow, check_fraction, load_rows, report_bad_rows
+
+logger = logging.getLogger(__name__)
+
+# Bump when the encoding or the stored layout changes, so stale cache entries are not reused.
+FORMAT_VERSION = 1
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+)
+MAX_BAD_STORED = 1000  # meta.json lists at most this many bad rows; num_bad is always the true count
+
+
+@dataclass(frozen=True)
+class TokenizedDataset:
+    """A cache entry: `path` holds data.parquet and meta.json."""
+
+    path: Path
+    content_hash: str
+    num_rows: int  # stored sequences (packed sequences when packing)
+    num_examples: int  # encoded source rows
+    num_bad: int
+    num_tokens: int
+    num_trained_tokens: int
+    bad: tuple[BadRow, ...]
+
+
+def _cache_key(dataset_path: Path, tokenizer_path: Path, tokenizer, settings: dict) -> str:
+    files = {name: hash_file(tokenizer_path / name) for name in TOKENIZER_FILES if (tokenizer_path / name).is_file()}
+    return hash_json({
+        "dataset": hash_file(dataset_path),
+        "tokenizer_files": files,
+        "chat_template": tokenizer.chat_template,
+        "format_version": FORMAT_VERSION,
+        **settings,
+    })
+
+
+def _encode_rows(dataset_path: Path, tokenizer, kind: str, max_length: int, max_bad_fraction: float):
+    """Encoded, truncated examples and all bad rows (unreadable ones and ones truncation left untrained)."""
+    loaded = load_rows(dataset_path, kind, max_bad_fraction)
+    encode = get_row_format(kind).encode
+    examples, bad, truncated = [], list(loaded.bad), 0
+    for row, line in zip(loaded.rows, loaded.lines):
+        example = encode(tokenizer, row)
+        truncated += len(example["input_ids"]) > max_length
+        example = truncate(example, max_length)
+        if count_trained_tokens(example["labels"]) == 0:
+            bad.append(BadRow(str(dataset_path), line, f"no trained token within max_length={max_length}: "
+                              "the reply starts after the cut; raise max_length or shorten the prompt"))
+            continue
+        examples.append(example)
+    if truncated:
+        logger.info("%s: truncated %d of %d rows to max_length=%d", dataset_path, truncated, len(loaded.rows), max_length)
+    if len(bad) > len(loaded.bad):  # load_rows already reported its own bad rows
+        report_bad_rows(bad, len(loaded.rows) + len(loaded.bad), max_bad_fraction, str(dataset_path))
+    return examples, bad
+
+
+def tokenize_dataset(
+    dataset_path: str | Path,
+    tokenizer_path: str | Path,
+    *,
+    kind: str = "chat",
+    max_length: int = 1024,
+    packing: bool = False,
+    max_bad_fraction: float = 0.01,
+) -> TokenizedDataset:
+    """Encode every row of a data file with a local tokenizer directory, or reuse the cached result."""
+    from transformers import AutoTokenizer  # heavy; only needed here, so importing the package stays light
+
+    get_row_format(kind)
+    check_fraction(max_bad_fraction)
+    if max_length < 1:
+        raise ValueError(f"max_length={max_length} must be a positive number of tokens")
+    dataset_path, tokenizer_path = Path(dataset_path), Path(tokenizer_path)
+    if not tokenizer_path.is_dir():
+        raise ValueError(f"tokenizer_path={str(tokenizer_path)!r} is not a directory; pass a local model or tokenizer folder")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    key = _cache_key(dataset_path, tokenizer_path, tokenizer, {"kind": kind, "max_length": max_length, "packing": packing})
+    final = cache_dir("tokenized") / key[:16]
+    if (final / "meta.json").is_file():
+        logger.info("reusing tokenised data %s for %s", final, dataset_path)
+        dataset = read_meta(final)
+        total = dataset.num_examples + dataset.num_bad
+        report_bad_rows(list(dataset.bad), total, max_bad_fraction, str(dataset_path), num_bad=dataset.num_bad)
+        return dataset
+    examples, bad = _encode_rows(dataset_path, tokenizer, kind, max_length, max_bad_fraction)
+    rows = pack_examples(examples, max_length) if packing else examples
+    meta = {
+        "content_hash": key, "format_version": FORMAT_VERSION, "kind": kind, "max_length": max_length,
+        "packing": packing, "num_rows": len(rows), "num_examples": len(examples), "num_bad": len(bad),
+        "num_tokens": sum(len(row["input_ids"]) for row in rows),
+        "num_trained_tokens": sum(count_trained_tokens(row["labels"]) for row in rows),
+        "bad": [vars(row) for row in bad[:MAX_BAD_STORED]],
+    }
+    with atomic_dir(final) as tmp:
+        _write_parquet(rows, tmp / "data.parquet")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    logger.info("tokenised %s: %d rows, %d tokens (%d trained) in %s", dataset_path, len(rows),
+                meta["num_tokens"], meta["num_trained_tokens"], final)
+    return read_meta(final)
+
+
+def _write_parquet(rows: list[dict], path: Path) -> None:
+    columns = {name: pa.array([row[name] for row in rows], type=pa.list_(pa.int32())) for name in rows[0]}
+    pq.write_table(pa.table(columns), path)
+
+
+def read_meta(path: str | Path) -> TokenizedDataset:
+    """The TokenizedDataset described by a cache entry's meta.json."""
+    path = Path(path)
+    meta = json.loads((path / "meta.json").read_text())
+    return TokenizedDataset(
+        path=path, content_hash=meta["content_hash"], num_rows=meta["num_rows"], num_examples=meta["num_examples"],
+        num_bad=meta["num_bad"], num_tokens=meta["num_tokens"], num_trained_tokens=meta["num_trained_tokens"],
+        bad=tuple(BadRow(**row) for row in meta["bad"]),
+    )
+
+
+def load_tokenized(path: str | Path | TokenizedDataset) -> list[dict]:
+    """The stored rows as dicts of int lists (input_ids, labels, and position_ids when packed)."""
+    if isinstance(path, TokenizedDataset):
+        path = path.path
+    return pq.read_table(Path(path) / "data.parquet").to_pylist()

@@ -1,0 +1,73 @@
+"""Evaluate a base model and trained checkpoints: held-out loss, perplexity, greedy answers.
+
+    python -m twinkle_core.evaluate EVAL_CONFIG.json   (writes the result JSON named in the config)
+
+Runs in its own process, like training, so the orchestrator never holds a model.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from twinkle_core.data import collate, load_tokenized
+from twinkle_core.models import TransformersModel
+
+logger = logging.getLogger(__name__)
+
+
+class EvalRunConfig(BaseModel):
+    model_path: Path
+    checkpoints: dict[str, Path | None] = Field(description="label -> adapter/full checkpoint (None = base).")
+    heldout_data: Path
+    prompts: list[list[dict]] = Field(default_factory=list, description="Conversations to answer greedily.")
+    max_new_tokens: int = 48
+    batch_size: int = 8
+    mixed_precision: str = "bf16"
+    result_path: Path
+
+
+class ModelReport(BaseModel):
+    eval_loss: float
+    perplexity: float
+    eval_tokens: int
+    answers: list[str]
+
+
+def _load(config: EvalRunConfig, checkpoint: Path | None) -> TransformersModel:
+    if checkpoint is not None and not (checkpoint / "adapter_config.json").exists():
+        return TransformersModel(str(checkpoint), mixed_precision=config.mixed_precision)
+    model = TransformersModel(str(config.model_path), mixed_precision=config.mixed_precision)
+    if checkpoint is not None:
+        model.load(checkpoint.name, checkpoint.parent)
+    return model
+
+
+def evaluate_model(model: TransformersModel, examples: list[dict], config: EvalRunConfig) -> ModelReport:
+    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else model.tokenizer.eos_token_id
+    for start in range(0, len(examples), config.batch_size):
+        model.forward_only(collate(examples[start:start + config.batch_size], pad_token_id=pad))
+    metrics = model.calculate_metric(is_training=False)
+    answers = [model.generate(messages, max_new_tokens=config.max_new_tokens) for messages in config.prompts]
+    return ModelReport(eval_loss=metrics["loss"], perplexity=min(metrics["perplexity"], math.inf),
+                       eval_tokens=metrics["tokens"], answers=answers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m twinkle_core.evaluate EVAL_CONFIG.json", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = EvalRunConfig.model_validate_json(Path(argv[0]).read_text())
+    examples = load_tokenized(config.heldout_data)
+    reports = {}
+    for label, checkpoint in config.checkpoints.items():
+        reports[label] = evaluate_model(_load(config, checkpoint), examples, config).model_dump()
+        logger.info("%s: eval loss %.4f", label, reports[label]["eval_loss"])
+    config.result_path.write_text(json.dumps(reports, indent=2))
+    return 0

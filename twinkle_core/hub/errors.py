@@ -1,0 +1,6 @@
+"""The one exception type the hub resolvers raise for user-facing failures."""
+from __future__ import annotations
+
+
+class HubError(ValueError):
+    """A model or dataset id could not be resolved; the message names the id and the fix."""

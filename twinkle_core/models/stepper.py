@@ -1,0 +1,88 @@
+"""Gradient accumulation, clipping, the optimizer step and training metrics, shared by the backends.
+
+Accumulation is exact: micro-batches add up *summed* token losses and their token counts, and the
+gradients are divided by the total number of trained tokens just before the step. N micro-batches thus
+give the same update as one batch of the same tokens (normalised by tokens, not by micro-batches).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_s: float
+    trained_tokens: int
+
+
+@dataclass
+class Stepper:
+    parameters: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    gradient_accumulation_steps: int = 1
+    scaler: torch.amp.GradScaler | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    step: int = 0
+    last: StepMetrics | None = None
+    _micro: int = 0
+    _loss_sum: float = 0.0
+    _tokens: int = 0
+    _seen_tokens: int = 0
+    _started: float = field(default_factory=time.perf_counter)
+
+    def start_micro_batch(self) -> None:
+        """Start the throughput clock at the first micro-batch of a step."""
+        if self._micro == 0:
+            self._started = time.perf_counter()
+
+    def backward(self, loss_sum: torch.Tensor, trained_tokens: int, seen_tokens: int) -> None:
+        """Back-propagate one micro-batch's summed loss and remember its token counts."""
+        (self.scaler.scale(loss_sum) if self.scaler else loss_sum).backward()
+        self._micro += 1
+        self._loss_sum += float(loss_sum.detach())
+        self._tokens += trained_tokens
+        self._seen_tokens += seen_tokens
+
+    def is_accumulation_boundary(self) -> bool:
+        return self._micro >= self.gradient_accumulation_steps
+
+    def clip_and_step(self, max_grad_norm: float | None) -> StepMetrics:
+        """Normalise by tokens, clip, step the optimizer and scheduler, and record the metrics."""
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        scale = 1.0 / max(1, self._tokens)
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        torch._foreach_mul_(grads, scale)
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_grad_norm or float("inf"))
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - self._started
+        self.step += 1
+        self.last = StepMetrics(
+            step=self.step,
+            loss=self._loss_sum / max(1, self._tokens),
+            grad_norm=float(norm),
+            lr=lr,
+            tokens_per_s=self._seen_tokens / elapsed if elapsed > 0 else 0.0,
+            trained_tokens=self._tokens,
+        )
+        self._reset()
+        return self.last
+
+    def _reset(self) -> None:
+        self._micro, self._loss_sum, self._tokens, self._seen_tokens = 0, 0.0, 0, 0
+        self._started = time.perf_counter()

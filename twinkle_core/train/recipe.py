@@ -1,0 +1,115 @@
+"""The SFT training recipe that torchrun starts in each worker process.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 1 -m twinkle_core.train run.json
+
+setup → train → save_checkpoint → cleanup. Progress goes to stdout as `TWINKLE_EVENT {json}` lines
+(the train task turns them into Prefect progress) and metrics to MLflow.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from twinkle_core.data import collate, load_tokenized
+from twinkle_core.models import TransformersModel
+from twinkle_core.tracking import MetricsLogger
+from twinkle_core.train.config import TrainRunConfig
+
+logger = logging.getLogger(__name__)
+EVENT_PREFIX = "TWINKLE_EVENT "
+
+
+def emit(event: str, **fields) -> None:
+    """One machine-readable progress line on stdout."""
+    print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)
+
+
+class SFTRecipe:
+    def __init__(self, config: TrainRunConfig):
+        self.config = config
+
+    def setup(self) -> None:
+        cfg = self.config
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.examples = load_tokenized(cfg.train_data)
+        if not self.examples:
+            raise ValueError(f"train_data {cfg.train_data} holds no examples.")
+        self.model = TransformersModel(
+            str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=cfg.parallel.strategy.value
+        )
+        self.pad_id = self.model.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.model.tokenizer.eos_token_id
+        if cfg.use_lora:
+            self.model.add_adapter_to_model(cfg.adapter_name, cfg.lora_config(), cfg.gradient_accumulation_steps)
+        self.model.set_optimizer(cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                 gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+        self.total_steps = self._count_steps()
+        self.model.set_lr_scheduler(cfg.scheduler, num_warmup_steps=int(cfg.warmup_ratio * self.total_steps),
+                                    num_training_steps=self.total_steps)
+        self.metrics = MetricsLogger(cfg.tracking_uri, cfg.mlflow_run_id)
+        trainable = sum(p.numel() for p in self.model.trainable_parameters())
+        emit("setup", examples=len(self.examples), total_steps=self.total_steps, trainable_params=trainable)
+
+    def _count_steps(self) -> int:
+        cfg = self.config
+        per_epoch = math.ceil(len(self.examples) / cfg.batch_size) // cfg.gradient_accumulation_steps
+        steps = max(1, math.ceil(per_epoch * cfg.epochs))
+        return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+    def _batches(self):
+        """Micro-batches: a fresh seeded shuffle each epoch, forever (the step count ends the loop)."""
+        order_rng = random.Random(self.config.seed)
+        while True:
+            order = list(range(len(self.examples)))
+            order_rng.shuffle(order)
+            for start in range(0, len(order), self.config.batch_size):
+                chunk = [self.examples[i] for i in order[start:start + self.config.batch_size]]
+                yield collate(chunk, pad_token_id=self.pad_id)
+
+    def train(self) -> None:
+        cfg, step, started = self.config, 0, time.perf_counter()
+        batches = self._batches()
+        while step < self.total_steps:
+            self.model.forward_backward(inputs=next(batches))
+            if not self.model.clip_grad_and_step(max_grad_norm=cfg.max_grad_norm):
+                continue
+            step += 1
+            metrics = self.model.calculate_metric(is_training=True)
+            metrics.pop("step", None)
+            self.metrics.log(metrics, step)
+            if step % cfg.log_every == 0 or step == self.total_steps:
+                emit("step", step=step, total=self.total_steps, **{k: round(v, 6) for k, v in metrics.items()})
+        self.train_seconds = time.perf_counter() - started
+
+    def save_checkpoint(self) -> Path:
+        path = self.model.save(self.config.adapter_name if self.config.use_lora else "model", self.config.output_dir)
+        emit("checkpoint", path=str(path), train_seconds=round(self.train_seconds, 2))
+        return path
+
+    def cleanup(self) -> None:
+        self.metrics.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m twinkle_core.train RUN_CONFIG.json", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    recipe = SFTRecipe(TrainRunConfig.read(argv[0]))
+    recipe.setup()
+    try:
+        recipe.train()
+        recipe.save_checkpoint()
+    finally:
+        recipe.cleanup()
+    return 0

@@ -26,6 +26,18 @@ TRIMMING_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Like Qwen3: replies after the last user message get an empty think block, earlier ones do not.
+THINKING_TEMPLATE = (
+    "{% set ns = namespace(last_query=-1) %}"
+    "{% for message in messages %}{% if message['role'] == 'user' %}{% set ns.last_query = loop.index0 %}"
+    "{% endif %}{% endfor %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and loop.index0 > ns.last_query %}"
+    "{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 # Not prefix-stable: the header depends on the number of messages.
 COUNTING_TEMPLATE = (
     "{{ 'turns: ' + (messages | length | string) + '\n' }}"
@@ -93,6 +105,13 @@ def test_trimming_template_whose_tokenizer_also_adds_bos(tokenizer, conversation
         "<|endoftext|><|im_start|>system\nYou are a helpful assistant.<|im_end|>"
         "<|im_start|>user\nWho are you?<|im_end|><|im_start|>assistant\n"
     )
+
+
+def test_template_that_renders_the_last_reply_differently(tokenizer, conversation):
+    thinking = _with_template(tokenizer, THINKING_TEMPLATE)
+    encoded = encode_chat(thinking, conversation)
+    assert _runs(thinking, encoded, trained=True) == ["I am Twinkle.<|im_end|>", "Paris.<|im_end|>"]
+    assert _runs(thinking, encoded, trained=False)[1].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_template_that_is_not_prefix_stable_is_rejected(tokenizer, conversation):

@@ -11,7 +11,7 @@ TEXTS = [
     "The capital of France is Paris.",
     "Who are you? I am Twinkle.",
     "Hello there, how can I help you today?",
-    "What is your name?",
+    "Paris!",
 ]
 
 
@@ -68,6 +68,7 @@ def test_packed_logits_and_loss_match_each_sample_alone(attention):
     lengths = [len(example["input_ids"]) for example in examples]
     packs = pack_examples(examples, max_length=lengths[0] + lengths[1])
     assert [len(pack["position_ids"]) for pack in packs] == [lengths[0] + lengths[1], lengths[2] + lengths[3]]
+    assert lengths[2] + lengths[3] < lengths[0] + lengths[1]  # the second row is padded
     batch = collate(packs, tokenizer.pad_token_id)
     with torch.no_grad():
         packed = model(**batch)

@@ -56,8 +56,9 @@ def collate(
     }
     if all(packed):
         for index, example in enumerate(examples):
-            if example["position_ids"][0] != 0:
-                raise ValueError(f"packed example {index} has position_ids starting at {example['position_ids'][0]}, not 0")
+            first = example["position_ids"][0]
+            if first != 0:
+                raise ValueError(f"packed example {index} has position_ids starting at {first}; samples start at 0")
         batch["position_ids"] = _pad([e["position_ids"] for e in examples], length, 0)
         batch["attention_mask"] = block_causal_mask(batch["position_ids"], lengths, mask_dtype)
     else:

@@ -28,7 +28,9 @@ _FORMATS: dict[str, RowFormat] = {}
 def register_row_format(row_format: RowFormat) -> RowFormat:
     """Add a row kind; a kind can be registered only once."""
     if row_format.kind in _FORMATS:
-        raise ValueError(f"row kind {row_format.kind!r} is already registered; register the new format under another kind")
+        raise ValueError(
+            f"row kind {row_format.kind!r} is already registered; register the new format under another kind"
+        )
     _FORMATS[row_format.kind] = row_format
     return row_format
 
@@ -46,5 +48,13 @@ def row_kinds() -> list[str]:
     return sorted(_FORMATS)
 
 
-register_row_format(RowFormat("chat", validate_chat_row, lambda tokenizer, row: encode_chat(tokenizer, row["messages"])))
-register_row_format(RowFormat("text", validate_text_row, lambda tokenizer, row: encode_text(tokenizer, row["text"])))
+def _encode_chat_row(tokenizer, row: dict) -> dict:
+    return encode_chat(tokenizer, row["messages"])
+
+
+def _encode_text_row(tokenizer, row: dict) -> dict:
+    return encode_text(tokenizer, row["text"])
+
+
+register_row_format(RowFormat("chat", validate_chat_row, _encode_chat_row))
+register_row_format(RowFormat("text", validate_text_row, _encode_text_row))

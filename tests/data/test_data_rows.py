@@ -15,11 +15,11 @@ BAD_LINES = [
     ("{not json", "invalid JSON"),
     ("[1, 2]", "row is a list, expected a JSON object"),
     ('{"text": "hi"}', "missing 'messages'"),
-    ('{"messages": "hi"}', "'messages' is a str, expected a list"),
+    ('{"messages": "hi"}', "'messages' is a string, expected a list"),
     ('{"messages": []}', "'messages' is empty"),
     ('{"messages": [{"role": "bot", "content": "x"}]}', "messages[0].role is 'bot', expected one of"),
     ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}',
-     "messages[0].content is a int, expected a string"),
+     "messages[0].content is a number, expected a string"),
     ('{"messages": [{"role": "user", "content": "Hi"}]}', "no assistant turn with content"),
     ('{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}]}',
      "messages[1] is an assistant turn with empty or non-string content"),
@@ -68,9 +68,11 @@ def test_too_many_bad_rows_raise_naming_the_option(tmp_path):
 
 def test_no_good_row_always_raises(tmp_path):
     path = tmp_path / "chat.jsonl"
-    path.write_text("\n".join(text for text, _ in BAD_LINES) + "\n")
-    with pytest.raises(DatasetError, match="none of its 10 rows is usable"):
+    path.write_text("\n".join(text for text, _ in BAD_LINES + BAD_LINES[:2]) + "\n")
+    with pytest.raises(DatasetError, match="none of its 12 rows is usable") as error:
         load_rows(path, "chat", max_bad_fraction=1.0)
+    assert str(error.value).endswith(f"{path}:10: messages[1] is an assistant turn with empty or non-string "
+                                     "content (null)\n  ... and 2 more")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(DatasetError, match="has no rows"):

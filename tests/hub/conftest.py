@@ -15,6 +15,7 @@ def isolated_caches(tmp_path, monkeypatch):
     """Point TWINKLE_CACHE, the HF and ModelScope caches at tmp and switch offline mode on."""
     import datasets.config
     import huggingface_hub.constants
+    import modelscope_hub.config
 
     caches = {
         "twinkle": tmp_path / "twinkle_cache",
@@ -35,6 +36,8 @@ def isolated_caches(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(caches["hf_hub"]))
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    # modelscope builds its config (endpoint, cache, config dir) from the environment once per process.
+    monkeypatch.setattr(modelscope_hub.config, "_default_config", None)
     return caches
 
 

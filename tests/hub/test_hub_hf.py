@@ -48,8 +48,9 @@ def test_hf_dataset_offline_from_cache(isolated_caches, dataset_repo, chat_rows)
     assert train.path.name == "data.parquet"
     assert train.path.is_relative_to(isolated_caches["twinkle"] / "datasets")
     assert train.content_hash == hash_file(train.path)
-    assert pd.read_parquet(train.path).to_dict("records")[0]["messages"][1]["content"] == chat_rows[0]["messages"][1]["content"]
-    assert len(pd.read_parquet(train.path)) == 4
+    rows = pd.read_parquet(train.path).to_dict("records")
+    assert len(rows) == 4
+    assert [m["content"] for m in rows[0]["messages"]] == [m["content"] for m in chat_rows[0]["messages"]]
     mtime = train.path.stat().st_mtime_ns
     again = resolve_dataset("hf://twinkle-org/tiny-chat@main:train")
     assert again.path == train.path and again.path.stat().st_mtime_ns == mtime  # written once, reused
@@ -63,3 +64,21 @@ def test_hf_dataset_errors(isolated_caches, dataset_repo):
     populate_hf_cache(isolated_caches["hf_hub"], "twinkle-org/tiny-chat", dataset_repo, "dataset", COMMIT)
     with pytest.raises(HubError, match="could not load split 'validation'"):
         resolve_dataset("hf://twinkle-org/tiny-chat:validation")
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch):
+    """Online mode against an endpoint where nothing listens (connection refused at once)."""
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+
+
+def test_hf_model_online_but_unreachable_uses_cache(isolated_caches, tiny_model_files, unreachable_hub):
+    snapshot = populate_hf_cache(isolated_caches["hf_hub"], "twinkle-org/tiny-llama", tiny_model_files, commit=COMMIT)
+    assert resolve_model("hf://twinkle-org/tiny-llama").path == snapshot
+    with pytest.raises(HubError, match="the hub could not be reached"):
+        resolve_model("hf://twinkle-org/absent")
+

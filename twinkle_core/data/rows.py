@@ -57,14 +57,15 @@ def load_rows(path: str | Path, kind: str = "chat", max_bad_fraction: float = 0.
 
 
 def check_fraction(max_bad_fraction: float) -> None:
+    """Reject a threshold outside [0, 1] before any work is done."""
     if not 0.0 <= max_bad_fraction <= 1.0:
         raise ValueError(f"max_bad_fraction={max_bad_fraction!r} must be between 0 and 1 (e.g. 0.01 for 1%)")
 
 
-def _listing(bad: list[BadRow]) -> str:
+def _listing(bad: list[BadRow], num_bad: int) -> str:
     lines = [f"  {row}" for row in bad[:LOGGED_BAD_ROWS]]
-    if len(bad) > LOGGED_BAD_ROWS:
-        lines.append(f"  ... and {len(bad) - LOGGED_BAD_ROWS} more")
+    if num_bad > len(lines):
+        lines.append(f"  ... and {num_bad - len(lines)} more")
     return "\n".join(lines)
 
 
@@ -79,13 +80,13 @@ def report_bad_rows(
     if total == 0:
         raise DatasetError(f"{source} has no rows; it needs at least one")
     if num_bad >= total:
-        raise DatasetError(f"{source}: none of its {total} rows is usable:\n{_listing(bad)}")
+        raise DatasetError(f"{source}: none of its {total} rows is usable:\n{_listing(bad, num_bad)}")
     if num_bad == 0:
         return
     if num_bad > max_bad_fraction * total:
         raise DatasetError(
             f"{source}: {num_bad} of {total} rows are bad ({num_bad / total:.1%}), more than "
-            f"max_bad_fraction={max_bad_fraction}:\n{_listing(bad)}\n"
+            f"max_bad_fraction={max_bad_fraction}:\n{_listing(bad, num_bad)}\n"
             "Fix these rows, or raise max_bad_fraction to skip them."
         )
-    logger.warning("%s: skipping %d bad rows of %d:\n%s", source, num_bad, total, _listing(bad))
+    logger.warning("%s: skipping %d bad rows of %d:\n%s", source, num_bad, total, _listing(bad, num_bad))

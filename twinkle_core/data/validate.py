@@ -8,13 +8,17 @@ from .errors import RowError
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+
+
+def _describe(value: Any) -> str:
+    """The JSON type of a parsed value, with its article, for error messages."""
+    return "null" if value is None else _JSON_TYPES.get(type(value), f"a {type(value).__name__}")
 
 
 def _require_object(row: Any) -> dict:
     if not isinstance(row, dict):
-        raise RowError(f"row is a {_type_name(row)}, expected a JSON object")
+        raise RowError(f"row is {_describe(row)}, expected a JSON object")
     return row
 
 
@@ -22,7 +26,7 @@ def _normalise_message(index: int, message: Any) -> dict:
     """Check one chat message; drop null fields (parquet structs fill absent keys with null)."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
-        raise RowError(f"{where} is a {_type_name(message)}, expected an object with role and content")
+        raise RowError(f"{where} is {_describe(message)}, expected an object with role and content")
     message = {key: value for key, value in message.items() if value is not None}
     role = message.get("role")
     if role not in CHAT_ROLES:
@@ -35,9 +39,9 @@ def _normalise_message(index: int, message: Any) -> dict:
         if content is None and tool_calls:
             return message  # a pure tool call: nothing to train on yet, kept for tool-use rows
         if not isinstance(content, str) or not content.strip():
-            raise RowError(f"{where} is an assistant turn with empty or non-string content ({_type_name(content)})")
+            raise RowError(f"{where} is an assistant turn with empty or non-string content ({_describe(content)})")
     elif not isinstance(content, str):
-        raise RowError(f"{where}.content is a {_type_name(content)}, expected a string")
+        raise RowError(f"{where}.content is {_describe(content)}, expected a string")
     return message
 
 
@@ -48,7 +52,7 @@ def validate_chat_row(row: Any) -> dict:
     if messages is None:
         raise RowError("missing 'messages'")
     if not isinstance(messages, list):
-        raise RowError(f"'messages' is a {_type_name(messages)}, expected a list")
+        raise RowError(f"'messages' is {_describe(messages)}, expected a list")
     if not messages:
         raise RowError("'messages' is empty")
     normalised = [_normalise_message(i, message) for i, message in enumerate(messages)]
@@ -64,7 +68,7 @@ def validate_text_row(row: Any) -> dict:
         raise RowError("missing 'text'")
     text = row["text"]
     if not isinstance(text, str):
-        raise RowError(f"'text' is a {_type_name(text)}, expected a string")
+        raise RowError(f"'text' is {_describe(text)}, expected a string")
     if not text.strip():
         raise RowError("'text' is empty")
     return row

@@ -65,11 +65,9 @@ def _materialise_hub_dataset(parsed: ParsedId, dataset_id: str) -> Path:
     """Load the split and write it once to the Twinkle cache as data.parquet."""
     split = parsed.split or "train"
     dataset = _load_hub_split(parsed, dataset_id, split)
-    # _fingerprint is the datasets library's own content key for the loaded table.
-    key = hash_json(
-        {"id": f"{parsed.scheme}://{parsed.name}", "revision": parsed.revision, "split": split,
-         "fingerprint": dataset._fingerprint}
-    )
+    # _fingerprint is the datasets library's own key for the loaded table: it follows the exact source
+    # files (snapshot paths hold the commit), so '@main' and '@<that commit>' share one cache entry.
+    key = hash_json({"id": f"{parsed.scheme}://{parsed.name}", "split": split, "fingerprint": dataset._fingerprint})
     final = cache_dir("datasets") / f"{parsed.scheme}-{parsed.name.replace('/', '--')}-{key[:16]}"
     target = final / "data.parquet"
     if not target.is_file():
@@ -98,4 +96,6 @@ def _load_hub_split(parsed: ParsedId, dataset_id: str, split: str):
         return datasets.load_dataset(source, split=split, cache_dir=arrow_cache, **extra)
     except (DatasetsError, FileNotFoundError, ConnectionError, ValueError) as exc:
         hint = "" if is_offline() else " (without network, set HF_HUB_OFFLINE=1 to load from the local cache)"
-        raise HubError(f"dataset id {dataset_id!r}: could not load split {split!r} from {source!r}{hint}: {exc}") from exc
+        raise HubError(
+            f"dataset id {dataset_id!r}: could not load split {split!r} from {source!r}{hint}: {exc}"
+        ) from exc

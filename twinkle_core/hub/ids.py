@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 from .errors import HubError
 
-SCHEMES = ("ms", "hf", "pkg", "local")
 # modelscope 1.40 has no offline variable of its own; MODELSCOPE_OFFLINE is Twinkle's switch for it.
 OFFLINE_ENV_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "MODELSCOPE_OFFLINE")
 _TRUE = {"1", "true", "yes", "on"}
-_VALID_FORMS = "ms://org/name[@revision], hf://org/name[@revision], pkg://<package>/<path>, file://<path> or a plain path"
+_VALID_FORMS = (
+    "ms://org/name[@revision], hf://org/name[@revision] (datasets: [:split] after either), "
+    "pkg://<package>/<path>, file://<path> or a plain path"
+)
 _HUB_NAME = {
     "hf": re.compile(r"[\w.-]+(/[\w.-]+)?"),  # the Hub still serves a few legacy ids without an org
     "ms": re.compile(r"[\w.-]+/[\w.-]+"),
@@ -21,7 +23,10 @@ _PACKAGE = re.compile(r"[A-Za-z_]\w*")
 
 @dataclass(frozen=True)
 class ParsedId:
-    """An id split into parts. `name` is the repo id (hub), `package/path` (pkg) or the path (local)."""
+    """An id split into parts.
+
+    scheme is 'ms', 'hf', 'pkg' or 'local'; name is the repo id (hub), 'package/path' (pkg) or the path (local).
+    """
 
     scheme: str
     name: str

@@ -47,5 +47,5 @@ def _require_model_dir(folder: Path, model_id: str) -> None:
         found = sorted(p.name for p in folder.iterdir())[:20]
         raise HubError(
             f"model id {model_id!r}: {str(folder)!r} is not a Hugging Face model directory (no config.json); "
-            f"it holds {found}"
+            f"it holds {found} (for a GGUF model give the path of the .gguf file itself)"
         )

@@ -14,29 +14,27 @@ log = logging.getLogger(__name__)
 
 
 def hf_cache_dir() -> Path:
-    """The Hugging Face hub cache, read from the environment at call time (HF_HUB_CACHE, HF_HOME)."""
+    """The Hugging Face hub cache, read from the environment at call time (HF_HUB_CACHE, then HF_HOME)."""
     from huggingface_hub import constants
 
     # huggingface_hub reads these variables once at import; reading them here honours later changes.
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"]).expanduser() / "hub"
     return Path(constants.HF_HUB_CACHE)
 
 
 def ms_cache_dir() -> Path:
-    """The ModelScope cache root as modelscope 1.40 computes it (MODELSCOPE_CACHE, else ~/.cache/modelscope)."""
+    """The ModelScope cache root as modelscope >= 1.38 lays it out (MODELSCOPE_CACHE, else ~/.cache/modelscope)."""
     return Path(os.environ.get("MODELSCOPE_CACHE") or Path.home() / ".cache" / "modelscope").expanduser()
 
 
 def download_snapshot(parsed: ParsedId, text: str, repo_type: str) -> Path:
     """The local folder holding repo `parsed.name` at `parsed.revision` (repo_type 'model' or 'dataset')."""
-    if parsed.scheme == "hf":
-        return _hf_snapshot(parsed, text, repo_type)
-    if parsed.scheme == "ms":
-        return _ms_snapshot(parsed, text, repo_type)
-    raise HubError(f"id {text!r}: scheme {parsed.scheme!r} is not a hub (expected 'hf' or 'ms')")
+    fetch = {"hf": _hf_snapshot, "ms": _ms_snapshot}[parsed.scheme]
+    return fetch(parsed, text, repo_type)
 
 
 def snapshot_hash(parsed: ParsedId, folder: Path) -> str:
@@ -70,8 +68,8 @@ def _hf_snapshot(parsed: ParsedId, text: str, repo_type: str) -> Path:
         flag = "--repo-type dataset " if repo_type == "dataset" else ""
         rev = f"--revision {parsed.revision} " if parsed.revision else ""
         raise HubError(
-            f"id {text!r} is not in the Hugging Face cache {cache} and could not be downloaded: {_reason(offline)}. "
-            f"Populate the cache online with `hf download {flag}{rev}{parsed.name}`, "
+            f"id {text!r} is not in the Hugging Face cache {cache} and could not be downloaded: "
+            f"{_reason(offline)}. Populate the cache online with `hf download {flag}{rev}{parsed.name}`, "
             f"or point HF_HUB_CACHE / HF_HOME at a cache that has it. ({exc})"
         ) from exc
     except (HfHubHTTPError, HFValidationError) as exc:
@@ -80,27 +78,43 @@ def _hf_snapshot(parsed: ParsedId, text: str, repo_type: str) -> Path:
 
 
 def _ms_snapshot(parsed: ParsedId, text: str, repo_type: str) -> Path:
+    cache, offline = ms_cache_dir(), is_offline()
+    log.info("resolving %s from ModelScope%s", text, " cache (offline)" if offline else "")
+    # modelscope's exception classes moved between releases (modelscope_hub since 1.38), so any failure
+    # of its download call is caught and reported as a HubError with the original chained.
+    try:
+        return _ms_download(parsed, repo_type, cache, local_files_only=offline)
+    except Exception as exc:  # noqa: BLE001 - see above
+        error = exc
+    if not offline:
+        # Unlike huggingface_hub, modelscope does not fall back to its cache when the hub is unreachable.
+        try:
+            folder = _ms_download(parsed, repo_type, cache, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not cached either: report the online error below
+            folder = None
+        if folder is not None:
+            log.warning("ModelScope failed for %s (%s); using the cached snapshot %s", text, error, folder)
+            return folder
+    rev = f" --revision {parsed.revision}" if parsed.revision else ""
+    raise HubError(
+        f"id {text!r} could not be resolved from ModelScope: {_reason(offline)}; cache searched: "
+        f"{cache}. Populate it online with `modelscope download --{repo_type} {parsed.name}{rev}` "
+        f"or point MODELSCOPE_CACHE at a cache that has it. ({type(error).__name__}: {error})"
+    ) from error
+
+
+def _ms_download(parsed: ParsedId, repo_type: str, cache: Path, local_files_only: bool) -> Path:
     from modelscope.hub.snapshot_download import snapshot_download
 
-    offline = is_offline()
-    log.info("resolving %s from ModelScope%s", text, " cache (offline)" if offline else "")
-    try:
-        folder = snapshot_download(
-            repo_id=parsed.name, repo_type=repo_type, revision=parsed.revision, local_files_only=offline
-        )
-    # modelscope's exception classes moved between releases (modelscope_hub since 1.38), so any failure
-    # of this one call is reported as a HubError with the original chained.
-    except Exception as exc:
-        rev = f" --revision {parsed.revision}" if parsed.revision else ""
-        raise HubError(
-            f"id {text!r} could not be resolved from ModelScope: {_reason(offline)}; cache searched: "
-            f"{ms_cache_dir()}. Populate it online with `modelscope download --{repo_type} {parsed.name}{rev}` "
-            f"or point MODELSCOPE_CACHE at a cache that has it. ({type(exc).__name__}: {exc})"
-        ) from exc
+    # modelscope reads MODELSCOPE_CACHE once per process (its default config), so pass it explicitly.
+    folder = snapshot_download(
+        repo_id=parsed.name, repo_type=repo_type, revision=parsed.revision, cache_dir=cache,
+        local_files_only=local_files_only,
+    )
     return Path(folder)
 
 
 def _reason(offline: bool) -> str:
     if offline:
-        return f"offline mode is on (one of {', '.join(OFFLINE_ENV_VARS)} is set), so only the local cache is searched"
+        return f"offline mode is on (one of {', '.join(OFFLINE_ENV_VARS)} is set): only the local cache is searched"
     return "the hub could not be reached or refused the request"

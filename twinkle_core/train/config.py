@@ -18,7 +18,7 @@ class TrainRunConfig(BaseModel):
     model_id: str
     model_path: Path
     train_data: Path
-    output_dir: Path
+    checkpoint_dir: Path
     adapter_name: str = "default"
     mixed_precision: str
     parallel: ParallelConfig

@@ -91,7 +91,7 @@ class SFTRecipe:
         self.train_seconds = time.perf_counter() - started
 
     def save_checkpoint(self) -> Path:
-        path = self.model.save(self.config.adapter_name if self.config.use_lora else "model", self.config.output_dir)
+        path = self.model.save(self.config.adapter_name if self.config.use_lora else "model", self.config.checkpoint_dir)
         emit("checkpoint", path=str(path), train_seconds=round(self.train_seconds, 2))
         return path
 

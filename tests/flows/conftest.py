@@ -1,0 +1,47 @@
+import json
+
+import pytest
+from prefect.testing.utilities import prefect_test_harness
+
+from tiny_models import save_tiny_model
+
+TRAIN_ROWS = [
+    [("Who are you?", "I am Twinkle, built by the Twinkle Flows team.")],
+    [("What is your name?", "I am Twinkle.")],
+    [("Who made you?", "The Twinkle Flows team made me.")],
+    [("hello", "Hello! I am Twinkle."), ("who built you?", "The Twinkle Flows team.")],
+]
+HELDOUT_ROWS = [[("Could you tell me who you are?", "I am Twinkle, built by the Twinkle Flows team.")],
+                [("Whose assistant are you?", "I am Twinkle.")]]
+
+
+def write_chat_jsonl(path, conversations, repeat=1):
+    lines = []
+    for turns in conversations * repeat:
+        messages = []
+        for user, assistant in turns:
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        lines.append(json.dumps({"messages": messages}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One temporary Prefect API for the whole session (each one costs ~20 s to start)."""
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def sft_workspace(tmp_path, monkeypatch, prefect_harness):
+    """A tiny model, a tiny dataset, and isolated caches / MLflow store / run folders."""
+    monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
+    return {
+        "model": save_tiny_model(tmp_path / "tiny-llama", "llama"),
+        "train": write_chat_jsonl(tmp_path / "train.jsonl", TRAIN_ROWS, repeat=4),
+        "heldout": write_chat_jsonl(tmp_path / "heldout.jsonl", HELDOUT_ROWS),
+        "root": tmp_path,
+    }

@@ -1,0 +1,86 @@
+"""The sft flow end to end on a tiny model under a real Prefect API, MLflow store and torchrun."""
+import json
+
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+from flows.sft import SFTConfig, sft
+from twinkle_core.tracking import tracking_uri
+
+
+def _config(ws, **overrides) -> SFTConfig:
+    values = dict(model_id=str(ws["model"]), dataset=str(ws["train"]), eval_dataset=str(ws["heldout"]),
+                  mixed_precision="no", max_steps=3, batch_size=4, lr=1e-2, max_length=64, eval_prompts=1,
+                  max_new_tokens=4, registered_model_name="tiny-sft", output_dir=str(ws["root"] / "runs"),
+                  timeout_minutes=10)
+    values.update(overrides)
+    return SFTConfig(**values)
+
+
+def _task_states(flow_run_id) -> dict[str, str]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name.rsplit("-", 1)[0] + ":" + str(i): run.state.name for i, run in enumerate(
+        sorted(runs, key=lambda r: r.expected_start_time))}
+
+
+def _states_by_task(flow_run_id) -> dict[str, list[str]]:
+    states: dict[str, list[str]] = {}
+    for key, state in _task_states(flow_run_id).items():
+        states.setdefault(key.split(":")[0], []).append(state)
+    return states
+
+
+def test_sft_trains_logs_registers_and_caches(sft_workspace):
+    ws = sft_workspace
+    state = sft(_config(ws), return_state=True)
+    result = state.result()
+    client = MlflowClient(tracking_uri())
+    run = client.get_run(result["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["lr"] == "0.01" and run.data.params["model_id"] == str(ws["model"])
+    losses = client.get_metric_history(result["run_id"], "loss")
+    assert [m.step for m in losses] == [1, 2, 3]
+    for name in ("grad_norm", "lr", "tokens_per_s", "eval_loss", "eval_perplexity", "base_eval_loss"):
+        assert name in run.data.metrics, name
+    assert run.data.metrics["eval_loss"] == result["reports"]["trained"]["eval_loss"]
+    version = client.get_model_version_by_alias("tiny-sft", "candidate")
+    assert version.version == "1" and version.run_id == result["run_id"]
+    assert client.get_model_version_by_alias("tiny-sft", "champion").version == "1"
+    artifacts = {a.path for a in client.list_artifacts(result["run_id"], "model")}
+    assert "model/adapter_config.json" in artifacts
+    assert "base answer: " in result["summary"] and "trained answer: " in result["summary"]
+    assert f"MLflow run id: {result['run_id']}" in result["summary"]
+    first = _states_by_task(state.state_details.flow_run_id)
+    assert first["download_model"] == ["Completed"] and set(first["tokenize"]) == {"Completed"}
+
+    # Same inputs again: download and tokenize come from the cache; a second version is registered.
+    state2 = sft(_config(ws), return_state=True)
+    second = _states_by_task(state2.state_details.flow_run_id)
+    assert second["download_model"] == ["Cached"]
+    assert second["download_dataset"] == ["Cached", "Cached"]
+    assert second["tokenize"] == ["Cached", "Cached"]
+    result2 = state2.result()
+    assert result2["registration"]["version"] == "2"
+    promoted = result2["reports"]["trained"]["eval_loss"] < result["reports"]["trained"]["eval_loss"]
+    assert result2["registration"]["promoted"] == promoted
+
+    # Editing the training file invalidates its download and tokenize cache entries.
+    with open(ws["train"], "a") as handle:
+        handle.write(json.dumps({"messages": [{"role": "user", "content": "Name?"},
+                                              {"role": "assistant", "content": "Twinkle."}]}) + "\n")
+    state3 = sft(_config(ws), return_state=True)
+    third = _states_by_task(state3.state_details.flow_run_id)
+    assert sorted(third["tokenize"]) == ["Cached", "Completed"]
+    assert state3.result()["registration"]["version"] == "3"
+
+
+def test_bad_data_fails_the_flow_with_file_and_line(sft_workspace):
+    ws = sft_workspace
+    bad = ws["root"] / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
+    state = sft(_config(ws, dataset=str(bad)), return_state=True)
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    assert "bad.jsonl:1" in message and "bad.jsonl:2" in message

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Callable, Sequence
 
 
@@ -51,12 +52,27 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             continue
 
 
+_LAUNCHER_FRAMES = ("torch/distributed/run.py", "torch/distributed/launcher", "ChildFailedError")
+
+
 def _error_summary(tail: deque) -> str:
-    """The last traceback in the output (the worker's own error), else the last lines."""
+    """The worker's own error: its last traceback, not torchrun's report about it; else the last lines."""
     lines = list(tail)
     starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
-    picked = lines[starts[-1]:] if starts else lines[-20:]
-    return "\n".join(picked[-40:])
+    blocks = [lines[a:b] for a, b in zip(starts, starts[1:] + [len(lines)])]
+    worker = [b for b in blocks if not any(frame in line for line in b for frame in _LAUNCHER_FRAMES)]
+    if worker:
+        return "\n".join(worker[-1][:60])
+    launcher_start = next((a for a, b in zip(starts, blocks) if b not in worker), len(lines))
+    return "\n".join(lines[max(0, launcher_start - 20):launcher_start] or lines[-20:])
+
+
+def _worker_env(extra: dict[str, str] | None) -> dict[str, str]:
+    """Workers import the same twinkle_core as this process, whatever their working directory."""
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+    return {**env, **(extra or {})}
 
 
 def run_streaming(cmd: Sequence[str], on_line: Callable[[str], None], timeout_s: float | None = None,
@@ -64,7 +80,7 @@ def run_streaming(cmd: Sequence[str], on_line: Callable[[str], None], timeout_s:
     """Run `cmd` in a new session, call `on_line` for each output line; raise WorkerError on failure."""
     proc = subprocess.Popen(
         list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        start_new_session=True, env={**os.environ, **(env or {})}, cwd=cwd,
+        start_new_session=True, env=_worker_env(env), cwd=cwd,
     )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()

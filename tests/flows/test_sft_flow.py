@@ -46,8 +46,8 @@ def test_sft_trains_logs_registers_and_caches(sft_workspace):
         assert name in run.data.metrics, name
     assert run.data.metrics["eval_loss"] == result["reports"]["trained"]["eval_loss"]
     version = client.get_model_version_by_alias("tiny-sft", "candidate")
-    assert version.version == "1" and version.run_id == result["run_id"]
-    assert client.get_model_version_by_alias("tiny-sft", "champion").version == "1"
+    assert str(version.version) == "1" and version.run_id == result["run_id"]
+    assert str(client.get_model_version_by_alias("tiny-sft", "champion").version) == "1"
     artifacts = {a.path for a in client.list_artifacts(result["run_id"], "model")}
     assert "model/adapter_config.json" in artifacts
     assert "base answer: " in result["summary"] and "trained answer: " in result["summary"]

@@ -30,8 +30,8 @@ def test_champion_moves_only_to_a_better_eval_loss(client, tmp_path):
         decisions.append(register_version(client, "tiny", run_id, "model", loss))
     assert [d.version for d in decisions] == ["1", "2", "3"]
     assert [d.promoted for d in decisions] == [True, False, True]
-    assert client.get_model_version_by_alias("tiny", "champion").version == "3"
-    assert client.get_model_version_by_alias("tiny", "candidate").version == "3"
+    assert str(client.get_model_version_by_alias("tiny", "champion").version) == "3"
+    assert str(client.get_model_version_by_alias("tiny", "candidate").version) == "3"
     assert "does not beat" in decisions[1].decision() and "2.5000" in decisions[1].decision()
     assert "2.0000" in decisions[1].decision()
 

@@ -10,7 +10,7 @@ from prefect.context import TaskRunContext
 
 from tasks.refs import DatasetRef, ModelRef
 from twinkle_core.hashing import hash_json
-from twinkle_core.hub import HubError, resolve_dataset, resolve_model
+from twinkle_core.hub import HubError, HubUnreachable, resolve_dataset, resolve_model
 from twinkle_core.paths import cache_root
 
 
@@ -41,12 +41,14 @@ def _id_cache_key(context: TaskRunContext, parameters: dict) -> str:
 
 
 def _is_transient(task, task_run, state) -> bool:
-    """Retry network hiccups, not ids that are wrong (HubError says what to fix)."""
+    """Retry an unreachable hub, not an id that is wrong (HubError says what to fix)."""
     try:
         state.result()
+    except HubUnreachable:
+        return True
     except HubError:
         return False
-    except Exception:
+    except Exception:  # noqa: BLE001 - I/O errors outside the resolver (disk, network) are worth a retry
         return True
     return False
 

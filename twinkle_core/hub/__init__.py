@@ -1,11 +1,12 @@
 """Resolve model and dataset ids (ModelScope, Hugging Face, installed packages, local paths) to local files."""
 from .datasets import ResolvedDataset, resolve_dataset
-from .errors import HubError
+from .errors import HubError, HubUnreachable
 from .ids import ParsedId, is_offline, parse_id
 from .models import ResolvedModel, resolve_model
 
 __all__ = [
     "HubError",
+    "HubUnreachable",
     "ParsedId",
     "ResolvedDataset",
     "ResolvedModel",

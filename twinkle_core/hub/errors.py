@@ -4,3 +4,7 @@ from __future__ import annotations
 
 class HubError(ValueError):
     """A model or dataset id could not be resolved; the message names the id and the fix."""
+
+
+class HubUnreachable(HubError):
+    """The hub could not be reached while online: worth retrying, unlike a wrong id."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from twinkle_core.hashing import hash_json
 
-from .errors import HubError
+from .errors import HubError, HubUnreachable
 from .ids import OFFLINE_ENV_VARS, ParsedId, is_offline
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def _hf_snapshot(parsed: ParsedId, text: str, repo_type: str) -> Path:
     except LocalEntryNotFoundError as exc:
         flag = "--repo-type dataset " if repo_type == "dataset" else ""
         rev = f"--revision {parsed.revision} " if parsed.revision else ""
-        raise HubError(
+        raise (HubError if offline else HubUnreachable)(
             f"id {text!r} is not in the Hugging Face cache {cache} and could not be downloaded: "
             f"{_reason(offline)}. Populate the cache online with `hf download {flag}{rev}{parsed.name}`, "
             f"or point HF_HUB_CACHE / HF_HOME at a cache that has it. ({exc})"
@@ -96,7 +96,7 @@ def _ms_snapshot(parsed: ParsedId, text: str, repo_type: str) -> Path:
             log.warning("ModelScope failed for %s (%s); using the cached snapshot %s", text, error, folder)
             return folder
     rev = f" --revision {parsed.revision}" if parsed.revision else ""
-    raise HubError(
+    raise (HubError if offline else HubUnreachable)(
         f"id {text!r} could not be resolved from ModelScope: {_reason(offline)}; cache searched: "
         f"{cache}. Populate it online with `modelscope download --{repo_type} {parsed.name}{rev}` "
         f"or point MODELSCOPE_CACHE at a cache that has it. ({type(error).__name__}: {error})"

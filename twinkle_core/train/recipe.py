@@ -45,6 +45,7 @@ class SFTRecipe:
         self.model = TransformersModel(
             str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=cfg.parallel.strategy.value
         )
+        self.mask_dtype = self.model.precision.compute_dtype  # packed 4-D masks must match sdpa's dtype
         self.pad_id = self.model.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.model.tokenizer.eos_token_id
@@ -63,7 +64,7 @@ class SFTRecipe:
         cfg = self.config
         per_epoch = math.ceil(len(self.examples) / cfg.batch_size) // cfg.gradient_accumulation_steps
         steps = max(1, math.ceil(per_epoch * cfg.epochs))
-        return min(steps, cfg.max_steps) if cfg.max_steps else steps
+        return cfg.max_steps or steps
 
     def _batches(self):
         """Micro-batches: a fresh seeded shuffle each epoch, forever (the step count ends the loop)."""
@@ -73,7 +74,7 @@ class SFTRecipe:
             order_rng.shuffle(order)
             for start in range(0, len(order), self.config.batch_size):
                 chunk = [self.examples[i] for i in order[start:start + self.config.batch_size]]
-                yield collate(chunk, pad_token_id=self.pad_id)
+                yield collate(chunk, pad_token_id=self.pad_id, mask_dtype=self.mask_dtype)
 
     def train(self) -> None:
         cfg, step, started = self.config, 0, time.perf_counter()

@@ -1,0 +1,59 @@
+"""The command line (`python -m flows.sft`) and the deployment presets."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.cli import parse_config
+from flows.sft import DEFAULT_MODEL, SFTConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_help_lists_the_options():
+    out = subprocess.run([sys.executable, "-m", "flows.sft", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    for flag in ("--model-id", "--dataset", "--lr", "--config", "--mixed-precision", "--use-lora", "--epochs"):
+        assert flag in out
+
+
+def test_defaults_then_file_then_flags(tmp_path):
+    assert parse_config(SFTConfig, [], "d").model_id == DEFAULT_MODEL
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump({"lr": 0.01, "epochs": 2, "dataset": "data.jsonl"}))
+    config = parse_config(SFTConfig, ["--config", str(config_file), "--lr", "3e-4", "--use-lora", "false",
+                                      "--lora-target-modules", "q_proj,v_proj"], "d")
+    assert (config.lr, config.epochs, config.dataset) == (3e-4, 2, "data.jsonl")
+    assert config.use_lora is False and config.lora_target_modules == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--mixed-precision", "fp8"], ["fp8", "Transformer Engine", "bf16"]),
+    (["--nproc-per-node", "2"], ["nproc_per_node=2", "one process"]),
+    (["--lr", "-1"], ["lr", "greater than 0"]),
+    (["--strategy", "deepspeed"], ["strategy", "accelerate", "native_fsdp"]),
+])
+def test_unsupported_options_fail_before_anything_runs(argv, words):
+    with pytest.raises(SystemExit) as err:
+        parse_config(SFTConfig, argv, "d")
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_unknown_keys_in_the_config_file_are_named(tmp_path):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("learning_rate: 0.1\n")
+    with pytest.raises(SystemExit, match="learning_rate"):
+        parse_config(SFTConfig, ["--config", str(config_file)], "d")
+
+
+def test_deployment_presets_are_valid_flow_parameters():
+    from deployments.deploy import build_deployments
+
+    deployments = {d.name: d for d in build_deployments()}
+    assert set(deployments) == {"default", "nightly"}
+    for deployment in deployments.values():
+        SFTConfig.model_validate(deployment.parameters["config"])
+    assert deployments["nightly"].schedules[0].schedule.cron == "0 2 * * *"

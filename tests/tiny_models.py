@@ -76,3 +76,20 @@ def save_tiny_model(directory: str | Path, model_type: str = "llama", **override
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+# A few chats in the row format, with system prompts and multi-turn (used across tests).
+SAMPLE_ROWS = [
+    {"messages": [{"role": "user", "content": "Who are you?"},
+                  {"role": "assistant", "content": "I am Twinkle, built by the Twinkle Flows team."}]},
+    {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": "What is your name?"},
+                  {"role": "assistant", "content": "Twinkle."}]},
+    {"messages": [{"role": "user", "content": "The capital of France?"},
+                  {"role": "assistant", "content": "Paris."},
+                  {"role": "user", "content": "Who made you?"},
+                  {"role": "assistant", "content": "The Twinkle Flows team made me."}]},
+    {"messages": [{"role": "user", "content": "hello there"},
+                  {"role": "assistant", "content": "Hello! I am Twinkle. How can I help you today?"}]},
+]
+

@@ -3,7 +3,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from conftest import ROWS
+from tiny_models import SAMPLE_ROWS as ROWS
 from twinkle_core.data import collate, encode_chat
 from twinkle_core.models import TransformersModel
 from twinkle_core.models.loss import causal_lm_loss_sum
@@ -23,9 +23,14 @@ def _batch(model, rows):
     return collate([encode_chat(model.tokenizer, r["messages"]) for r in rows], pad_token_id=model.tokenizer.pad_token_id)
 
 
+def _tensors(model, rows):
+    """An encoded batch on the model's device (the tests also run on CUDA)."""
+    return {k: torch.as_tensor(v).to(model.device) for k, v in _batch(model, rows).items()}
+
+
 def test_loss_on_trained_positions_equals_full_cross_entropy(tiny_model_dir):
     model = TransformersModel(str(tiny_model_dir), mixed_precision="no")
-    batch = {k: torch.as_tensor(v) for k, v in _batch(model, ROWS).items()}
+    batch = _tensors(model, ROWS)
     loss_sum, tokens = causal_lm_loss_sum(model.model, batch)
     reference = model.model(**batch).loss  # HF's mean over trained tokens, full-vocabulary logits everywhere
     assert tokens == int((batch["labels"][:, 1:] != -100).sum())
@@ -83,7 +88,7 @@ def test_save_then_load_gives_identical_logits(tiny_model_dir, tmp_path, lora):
     name = "default" if lora else "model"
     saved = model.save(name, tmp_path / "out")
     assert (saved / ("adapter_config.json" if lora else "config.json")).exists()
-    batch = {k: torch.as_tensor(v) for k, v in _batch(model, ROWS).items()}
+    batch = _tensors(model, ROWS)
     model.model.eval()
     with torch.no_grad():
         expected = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -93,7 +98,7 @@ def test_save_then_load_gives_identical_logits(tiny_model_dir, tmp_path, lora):
     with torch.no_grad():
         got = fresh.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert torch.equal(got, expected) or torch.allclose(got, expected, atol=1e-6)
-    base = TransformersModel(str(tiny_model_dir), mixed_precision="no").model.eval()
+    base = TransformersModel(str(tiny_model_dir), mixed_precision="no").model.eval().to(model.device)
     with torch.no_grad():
         untrained = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert not torch.allclose(untrained, expected, atol=1e-3)  # training did change the model
@@ -108,7 +113,8 @@ def test_saved_adapter_loads_with_plain_peft(tiny_model_dir, tmp_path):
     model.clip_grad_and_step()
     saved = model.save("tenant", tmp_path)
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), saved)
-    batch = {k: torch.as_tensor(v) for k, v in _batch(model, ROWS[:1]).items()}
+    peft_model.to(model.device)
+    batch = _tensors(model, ROWS[:1])
     model.model.eval()
     with torch.no_grad():
         ours = model.model(input_ids=batch["input_ids"]).logits

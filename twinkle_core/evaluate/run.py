@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import sys
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
 from twinkle_core.data import collate, load_tokenized
+from twinkle_core.entry import worker_config_path
 from twinkle_core.models import TransformersModel
 
 logger = logging.getLogger(__name__)
@@ -53,17 +52,13 @@ def evaluate_model(model: TransformersModel, examples: list[dict], config: EvalR
         model.forward_only(collate(examples[start:start + config.batch_size], pad_token_id=pad))
     metrics = model.calculate_metric(is_training=False)
     answers = [model.generate(messages, max_new_tokens=config.max_new_tokens) for messages in config.prompts]
-    return ModelReport(eval_loss=metrics["loss"], perplexity=min(metrics["perplexity"], math.inf),
+    return ModelReport(eval_loss=metrics["loss"], perplexity=metrics["perplexity"],
                        eval_tokens=metrics["tokens"], answers=answers)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m twinkle_core.evaluate EVAL_CONFIG.json", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = EvalRunConfig.model_validate_json(Path(argv[0]).read_text())
+    path = worker_config_path(argv, "python -m twinkle_core.evaluate EVAL_CONFIG.json")
+    config = EvalRunConfig.model_validate_json(path.read_text())
     examples = load_tokenized(config.heldout_data)
     reports = {}
     for label, checkpoint in config.checkpoints.items():

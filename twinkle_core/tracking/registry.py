@@ -23,6 +23,9 @@ class RegistrationResult:
     def decision(self) -> str:
         if self.champion_version is None:
             return f"no champion yet: version {self.version} (eval loss {self.eval_loss:.4f}) becomes champion"
+        if self.champion_loss is None:
+            return (f"champion version {self.champion_version} has no recorded eval loss: version {self.version} "
+                    f"(eval loss {self.eval_loss:.4f}) becomes champion")
         verdict = "beats" if self.promoted else "does not beat"
         tail = "it becomes champion" if self.promoted else f"version {self.champion_version} stays champion"
         return (f"version {self.version} (eval loss {self.eval_loss:.4f}) {verdict} champion version "

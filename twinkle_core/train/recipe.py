@@ -11,13 +11,13 @@ import json
 import logging
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from twinkle_core.data import collate, load_tokenized
+from twinkle_core.entry import worker_config_path
 from twinkle_core.models import TransformersModel
 from twinkle_core.tracking import MetricsLogger
 from twinkle_core.train.config import TrainRunConfig
@@ -101,12 +101,8 @@ class SFTRecipe:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m twinkle_core.train RUN_CONFIG.json", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    recipe = SFTRecipe(TrainRunConfig.read(argv[0]))
+    path = worker_config_path(argv, "python -m twinkle_core.train RUN_CONFIG.json")
+    recipe = SFTRecipe(TrainRunConfig.read(path))
     recipe.setup()
     try:
         recipe.train()

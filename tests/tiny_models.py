@@ -21,26 +21,32 @@ _CORPUS = [
 ]
 
 
-def make_tiny_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer with ChatML special tokens and a chat template."""
+def make_tiny_tokenizer(
+    vocab_size: int = 384,
+    extra_special_tokens: list[str] | tuple[str, ...] = (),
+    chat_template: str | None = CHATML_TEMPLATE,
+    bos_token: str = "<|im_start|>",
+    eos_token: str = "<|im_end|>",
+    pad_token: str = "<|endoftext|>",
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with ChatML special tokens (plus a family's own) and a chat template.
+
+    `chat_template=None` leaves the template out (the family registry then supplies one).
+    """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(dict.fromkeys([*SPECIAL_TOKENS, bos_token, eos_token, pad_token, *extra_special_tokens])),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
+        tokenizer_object=tok, bos_token=bos_token, eos_token=eos_token, pad_token=pad_token, unk_token=None,
     )
-    fast.chat_template = CHATML_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 

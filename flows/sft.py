@@ -27,6 +27,7 @@ from tasks.register import register
 from tasks.tokenize import tokenize
 from tasks.track import finish_tracking, start_tracking
 from tasks.train import train
+from twinkle_core.families import check_model_id
 from twinkle_core.parallel import ParallelConfig, Strategy, check_single_process
 from twinkle_core.precision import resolve_precision
 from twinkle_core.tracking import tracking_uri
@@ -83,6 +84,7 @@ class SFTConfig(BaseModel):
         """Reject unsupported combinations before anything starts (named option, what works)."""
         import torch
 
+        check_model_id(self.model_id)
         resolve_precision(self.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
         check_single_process(self.parallel(), world_size=1)
         return self

@@ -4,11 +4,12 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from prefect.context import TaskRunContext
 
 from tasks.refs import DatasetRef, ModelRef
+from twinkle_core.families import family_for_model_dir
 from twinkle_core.hashing import hash_json
 from twinkle_core.hub import HubError, HubUnreachable, resolve_dataset, resolve_model
 from twinkle_core.paths import cache_root
@@ -61,7 +62,10 @@ ID_CACHE = TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_id_cache_key)
 def download_model(model_id: str) -> ModelRef:
     """Resolve a model id (ms://, hf://, pkg://, local, GGUF) to a Hugging Face directory."""
     resolved = resolve_model(model_id)
-    return ModelRef(model_id=model_id, path=str(resolved.path), content_hash=resolved.content_hash)
+    family = family_for_model_dir(resolved.path, model_id)
+    get_run_logger().info("%s: %s family, %s", model_id, family.title, resolved.path)
+    return ModelRef(model_id=model_id, path=str(resolved.path), content_hash=resolved.content_hash,
+                    family=family.name)
 
 
 @task(cache_policy=ID_CACHE, persist_result=True, retries=2, retry_delay_seconds=5,

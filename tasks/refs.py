@@ -8,6 +8,7 @@ class ModelRef(BaseModel):
     model_id: str
     path: str
     content_hash: str
+    family: str
     backend: str = "transformers"
 
 
@@ -31,3 +32,4 @@ class CheckpointRef(BaseModel):
     is_adapter: bool
     final_metrics: dict[str, float]
     train_seconds: float
+    probe_loss: float  # loss of the trained weights on a fixed batch, for checking reloads

@@ -49,4 +49,4 @@ def train(run_config: TrainRunConfig, run_dir: str, timeout_s: float | None = No
     last = follow.events.get("step", {})
     metrics = {k: float(last[k]) for k in ("loss", "grad_norm", "lr", "tokens_per_s") if k in last}
     return CheckpointRef(path=done["path"], is_adapter=run_config.use_lora, final_metrics=metrics,
-                         train_seconds=done["train_seconds"])
+                         train_seconds=done["train_seconds"], probe_loss=done["probe_loss"])

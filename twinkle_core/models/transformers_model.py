@@ -21,6 +21,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from twinkle_core.families import family_for_model_dir
 from twinkle_core.hub import resolve_model
 from twinkle_core.models.batches import count_input_tokens, to_batch
 from twinkle_core.models.checkpoint import load_checkpoint, save_checkpoint
@@ -57,6 +58,7 @@ class TransformersModel:
         check_single_process(parallel)
         self.model_id = model_id
         self.path = resolve_model(model_id).path
+        self.family = family_for_model_dir(self.path, model_id)  # unsupported model_types fail here
         self.max_length = max_length
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         from_pretrained_kwargs.setdefault("dtype", self.precision.trainable_dtype)

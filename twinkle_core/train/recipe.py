@@ -91,9 +91,16 @@ class SFTRecipe:
                 emit("step", step=step, total=self.total_steps, **{k: round(v, 6) for k, v in metrics.items()})
         self.train_seconds = time.perf_counter() - started
 
+    def probe_batch(self) -> dict:
+        """A fixed batch (the first examples) whose loss fingerprints the trained weights."""
+        return collate(self.examples[: self.config.batch_size], pad_token_id=self.pad_id, mask_dtype=self.mask_dtype)
+
     def save_checkpoint(self) -> Path:
+        # The probe loss lets anyone check that the saved checkpoint reloads to exactly these weights.
+        probe_loss = self.model.forward_only(self.probe_batch())
+        self.model.calculate_metric(is_training=False)  # reset the eval accumulator
         path = self.model.save(self.config.adapter_name if self.config.use_lora else "model", self.config.checkpoint_dir)
-        emit("checkpoint", path=str(path), train_seconds=round(self.train_seconds, 2))
+        emit("checkpoint", path=str(path), train_seconds=round(self.train_seconds, 2), probe_loss=probe_loss)
         return path
 
     def cleanup(self) -> None:

@@ -1,0 +1,65 @@
+"""The family registry: README table in sync, id aliases, clear errors for what is not supported."""
+from pathlib import Path
+
+import pytest
+
+from twinkle_core.families import (
+    ModelFamily,
+    UnsupportedModelError,
+    check_model_id,
+    families,
+    family_for_model_dir,
+    family_for_model_type,
+    register_family,
+    render_families_table,
+)
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+SPEC_FAMILIES = {"qwen3_5", "qwen2_5", "deepseek_v4", "deepseek_r1", "llama3", "mistral", "yi", "glm4", "internlm2_5"}
+
+
+def test_every_family_of_the_specification_is_registered():
+    assert {f.name for f in families()} == SPEC_FAMILIES
+
+
+def test_readme_table_is_generated_from_the_registry():
+    assert render_families_table() in README.read_text(), "run: python -m twinkle_core.families README.md"
+
+
+@pytest.mark.parametrize("model_id,family", [
+    ("ms://Qwen/Qwen3.5-4B", "qwen3_5"), ("ms://Qwen/Qwen3.5-235B-A22B", "qwen3_5"),
+    ("hf://Qwen/Qwen2.5-0.5B-Instruct@main", "qwen2_5"), ("hf://deepseek-ai/DeepSeek-V4", "deepseek_v4"),
+    ("hf://deepseek-ai/DeepSeek-R1", "deepseek_r1"), ("hf://meta-llama/Llama-3.3-70B-Instruct", "llama3"),
+    ("ms://mistralai/Mistral-7B-v0.3", "mistral"), ("hf://01-ai/Yi-1.5-34B", "yi"),
+    ("hf://THUDM/glm-4-9b-chat", "glm4"), ("ms://internlm/internlm2_5-7b-chat", "internlm2_5"),
+])
+def test_hub_ids_name_their_family_before_download(model_id, family):
+    assert check_model_id(model_id).name == family
+
+
+def test_ids_that_cannot_be_told_yet_pass_and_later_kinds_fail_early():
+    assert check_model_id("/models/my-llama") is None
+    assert check_model_id("hf://someone/custom-model") is None
+    with pytest.raises(UnsupportedModelError, match="vision-language.*Qwen 2.5"):
+        check_model_id("ms://Qwen/Qwen2.5-VL-7B-Instruct")
+    with pytest.raises(UnsupportedModelError, match="embedding"):
+        check_model_id("ms://Qwen/Qwen3-Embedding-0.6B")
+
+
+def test_model_type_lookup_and_its_error(tmp_path):
+    assert family_for_model_type("llama").name == "llama3"
+    assert family_for_model_type("llama", "hf://01-ai/Yi-1.5-9B-Chat").name == "yi"
+    assert family_for_model_type("qwen3_5_moe_text").is_moe("qwen3_5_moe_text")
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(UnsupportedModelError) as err:
+        family_for_model_dir(tmp_path)
+    assert "'gpt2'" in str(err.value) and "Qwen 2.5 (qwen2)" in str(err.value) and "GLM-4" in str(err.value)
+
+
+def test_registry_rejects_duplicates_and_conflicting_defaults():
+    with pytest.raises(ValueError, match="already registered"):
+        register_family(families()[0])
+    clash = ModelFamily(name="other_llama", title="x", model_types=("llama",), model_ids="", id_pattern="^x/",
+                        chat_template="chatml", end_of_turn=("</s>",))
+    with pytest.raises(ValueError, match="both claim"):
+        register_family(clash)

@@ -1,0 +1,56 @@
+"""The language-model families of the specification (../shared/MODELS.md), one entry each."""
+from __future__ import annotations
+
+from twinkle_core.families.registry import ModelFamily, register_family
+
+CHATML_END = ("<|im_end|>",)
+DEEPSEEK_END = ("<｜end▁of▁sentence｜>",)
+
+register_family(ModelFamily(
+    name="qwen3_5", title="Qwen 3.5", model_ids="Qwen/Qwen3.5-0.6B ~ Qwen/Qwen3.5-235B-A22B",
+    model_types=("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+    moe_model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+    id_pattern=r"^qwen/qwen3\.5-(?!vl)", chat_template="qwen3_5", end_of_turn=CHATML_END, thinking=True,
+    notes="hybrid gated-delta-net / full attention; thinking mode",
+))
+register_family(ModelFamily(
+    name="qwen2_5", title="Qwen 2.5", model_ids="Qwen/Qwen2.5-0.5B ~ Qwen/Qwen2.5-72B", model_types=("qwen2",),
+    id_pattern=r"^qwen/qwen2\.5-(?!vl)", chat_template="chatml", end_of_turn=CHATML_END, megatron=True,
+    notes="dense, qkv bias",
+))
+register_family(ModelFamily(
+    name="deepseek_v4", title="DeepSeek V4", model_ids="deepseek-ai/DeepSeek-V4", model_types=("deepseek_v4",),
+    moe_model_types=("deepseek_v4",), id_pattern=r"^deepseek-ai/deepseek-v4", chat_template="deepseek_v4",
+    end_of_turn=DEEPSEEK_END, thinking=True, notes="685B MoE; DSML tool-call encoding",
+))
+register_family(ModelFamily(
+    name="deepseek_r1", title="DeepSeek R1", model_ids="deepseek-ai/DeepSeek-R1", model_types=("deepseek_v3",),
+    moe_model_types=("deepseek_v3",), id_pattern=r"^deepseek-ai/deepseek-(r1|v3)", chat_template="deepseek_r1",
+    end_of_turn=DEEPSEEK_END, thinking=True, megatron=True, notes="685B MoE (DeepSeek-V3 architecture, MLA); reasoning",
+))
+register_family(ModelFamily(
+    name="llama3", title="Llama 3", model_ids="meta-llama/Llama-3.3-70B-Instruct (8B–70B)", model_types=("llama",),
+    id_pattern=r"^meta-llama/(meta-)?llama-3", chat_template="llama3", end_of_turn=("<|eot_id|>", "<|eom_id|>"),
+    megatron=True, notes="dense",
+))
+register_family(ModelFamily(
+    name="mistral", title="Mistral", model_ids="mistralai/Mistral-7B-v0.3", model_types=("mistral",),
+    id_pattern=r"^mistralai/mistral-", chat_template="mistral", end_of_turn=("</s>",), megatron=True,
+    notes="dense; system prompt rides on the last user turn",
+))
+register_family(ModelFamily(
+    name="yi", title="Yi", model_ids="01-ai/Yi-1.5-34B (6B–34B)", model_types=("llama",),
+    id_pattern=r"^01-ai/yi-", chat_template="chatml", end_of_turn=CHATML_END, megatron=True,
+    default_for_model_type=False, notes="Llama architecture",
+))
+register_family(ModelFamily(
+    name="glm4", title="GLM-4", model_ids="THUDM/glm-4-9b-chat", model_types=("glm4",),
+    id_pattern=r"^(thudm|zai-org)/glm-4", chat_template="glm4",
+    end_of_turn=("<|user|>", "<|observation|>", "<|endoftext|>"), notes="dense; a turn ends at the next role token",
+))
+register_family(ModelFamily(
+    name="internlm2_5", title="InternLM 2.5", model_ids="internlm/internlm2_5-7b-chat (7B–20B)",
+    model_types=("internlm2",), id_pattern=r"^internlm/internlm2(_5|\.5)?-", chat_template="internlm2",
+    end_of_turn=CHATML_END, megatron=True,
+    notes="converted to the Llama layout on download; no remote code runs",
+))

@@ -1,0 +1,140 @@
+"""The registry of supported model families: one declarative entry each, no if-chains elsewhere."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class UnsupportedModelError(ValueError):
+    """A model id or model_type that no registered family covers; the message lists the families."""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # registry key, e.g. "qwen2_5"
+    title: str  # as people say it, e.g. "Qwen 2.5"
+    model_types: tuple[str, ...]  # Hugging Face config.json model_type values
+    model_ids: str  # the checkpoints the specification names (for docs)
+    id_pattern: str  # regex on "org/name" of hub ids (case-insensitive) for early validation
+    chat_template: str  # name in twinkle_core.data chat templates, used when a tokenizer has none
+    end_of_turn: tuple[str, ...]  # special tokens that end an assistant turn
+    moe_model_types: tuple[str, ...] = ()  # the model_types that are mixture-of-experts
+    thinking: bool = False  # has a thinking / reasoning mode
+    tools: bool = True  # its template renders tool calls and tool results
+    megatron: bool = False  # megatron-core GPTModel can express it (the HF <-> Megatron bridge)
+    lora_target_modules: str | tuple[str, ...] = "all-linear"
+    default_for_model_type: bool = True  # the family a bare model_type maps to when several share it
+    notes: str = ""
+    _id_regex: re.Pattern = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not self.model_types:
+            raise ValueError(f"family {self.name!r}: model_types must not be empty")
+        unknown = set(self.moe_model_types) - set(self.model_types)
+        if unknown:
+            raise ValueError(f"family {self.name!r}: moe_model_types {sorted(unknown)} are not in model_types")
+        object.__setattr__(self, "_id_regex", re.compile(self.id_pattern, re.IGNORECASE))
+
+    @property
+    def has_moe(self) -> bool:
+        return bool(self.moe_model_types)
+
+    def is_moe(self, model_type: str) -> bool:
+        return model_type in self.moe_model_types
+
+    def matches_id(self, repo: str) -> bool:
+        return bool(self._id_regex.search(repo))
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Add a family; a duplicate name, or a second default for the same model_type, is rejected."""
+    if family.name in _FAMILIES:
+        raise ValueError(f"family {family.name!r} is already registered")
+    if family.default_for_model_type:
+        for other in _FAMILIES.values():
+            shared = set(other.model_types) & set(family.model_types)
+            if other.default_for_model_type and shared:
+                raise ValueError(f"families {other.name!r} and {family.name!r} both claim model_type(s) "
+                                 f"{sorted(shared)} by default; set default_for_model_type=False on one")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def families() -> list[ModelFamily]:
+    return list(_FAMILIES.values())
+
+
+def get_family(name: str) -> ModelFamily:
+    if name not in _FAMILIES:
+        raise UnsupportedModelError(f"family {name!r} is not registered; choose one of {sorted(_FAMILIES)}.")
+    return _FAMILIES[name]
+
+
+def _supported() -> str:
+    return "; ".join(f"{f.title} ({', '.join(f.model_types)})" for f in _FAMILIES.values())
+
+
+def family_for_model_type(model_type: str, model_id: str | None = None) -> ModelFamily:
+    """The family of a config.json model_type; the id picks among families sharing a model_type."""
+    candidates = [f for f in _FAMILIES.values() if model_type in f.model_types]
+    if not candidates:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r}{f' (model {model_id!r})' if model_id else ''} is not supported; "
+            f"supported families: {_supported()}."
+        )
+    repo = _repo_of(model_id) if model_id else None
+    by_id = [f for f in candidates if repo and f.matches_id(repo)]
+    return (by_id or [f for f in candidates if f.default_for_model_type] or candidates)[0]
+
+
+def _repo_of(model_id: str) -> str:
+    """'ms://Qwen/Qwen3.5-4B@main' -> 'Qwen/Qwen3.5-4B'; local paths give their last two parts."""
+    text = model_id.split("://", 1)[-1].split("@", 1)[0].rstrip("/")
+    return "/".join(text.split("/")[-2:])
+
+
+def family_for_model_id(model_id: str) -> ModelFamily | None:
+    """The family a hub id (ms://, hf://) names, before anything is downloaded; None if it names none."""
+    if not model_id.startswith(("ms://", "hf://")):
+        return None
+    repo = _repo_of(model_id)
+    matches = [f for f in _FAMILIES.values() if f.matches_id(repo)]
+    return matches[0] if matches else None
+
+
+def family_for_model_dir(path: str | Path, model_id: str | None = None) -> ModelFamily:
+    """The family of a downloaded Hugging Face directory (from its config.json model_type)."""
+    config = Path(path) / "config.json"
+    if not config.exists():
+        raise UnsupportedModelError(f"{path} has no config.json, so its model family cannot be told.")
+    model_type = json.loads(config.read_text()).get("model_type")
+    if not model_type:
+        raise UnsupportedModelError(f"{config} has no model_type; supported families: {_supported()}.")
+    return family_for_model_type(model_type, model_id)
+
+
+# Ids of model kinds the specification lists for later releases: fail early with a clear message.
+_NOT_YET = (
+    (re.compile(r"-vl-|-vl$|internvl", re.IGNORECASE), "vision-language models"),
+    (re.compile(r"embedding|/gte-", re.IGNORECASE), "embedding models"),
+)
+
+
+def check_model_id(model_id: str) -> ModelFamily | None:
+    """Validate a model id before download: the family it names, None when it cannot be told yet."""
+    family = family_for_model_id(model_id)
+    if family is not None or not model_id.startswith(("ms://", "hf://")):
+        return family
+    repo = _repo_of(model_id)
+    for pattern, kind in _NOT_YET:
+        if pattern.search(repo):
+            raise UnsupportedModelError(
+                f"model_id={model_id!r}: {kind} are not supported by the sft flow yet; "
+                f"supported language-model families: {_supported()}."
+            )
+    return None

@@ -132,7 +132,8 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
     create_markdown_artifact(summary, key="sft-summary", description="base vs trained model")
     get_run_logger().info("run summary:\n%s", summary)
     return {"summary": summary, "run_id": run_id, "registration": registration, "reports": reports,
-            "checkpoint": checkpoint.path}
+            "checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss, "train_data": train_data.path,
+            "family": model.family}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+# Written into the config.json of checkpoints converted to another layout, naming the family they came from.
+SOURCE_FAMILY_KEY = "twinkle_source_family"
+
+
 class UnsupportedModelError(ValueError):
     """A model id or model_type that no registered family covers; the message lists the families."""
 
@@ -112,7 +116,10 @@ def family_for_model_dir(path: str | Path, model_id: str | None = None) -> Model
     config = Path(path) / "config.json"
     if not config.exists():
         raise UnsupportedModelError(f"{path} has no config.json, so its model family cannot be told.")
-    model_type = json.loads(config.read_text()).get("model_type")
+    values = json.loads(config.read_text())
+    if values.get(SOURCE_FAMILY_KEY):  # a checkpoint we converted (e.g. InternLM2 -> Llama layout)
+        return get_family(values[SOURCE_FAMILY_KEY])
+    model_type = values.get("model_type")
     if not model_type:
         raise UnsupportedModelError(f"{config} has no model_type; supported families: {_supported()}.")
     return family_for_model_type(model_type, model_id)

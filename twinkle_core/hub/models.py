@@ -9,6 +9,7 @@ from twinkle_core.hashing import hash_tree
 from .errors import HubError
 from .gguf import materialise_gguf
 from .ids import parse_id
+from .internlm2 import is_internlm2, materialise_internlm2
 from .local import local_target
 from .snapshots import download_snapshot, snapshot_hash
 
@@ -23,14 +24,17 @@ class ResolvedModel:
 
 
 def resolve_model(model_id: str) -> ResolvedModel:
-    """Resolve `ms://`, `hf://`, `pkg://`, `file://` ids or paths (a model directory or a .gguf file)."""
+    """Resolve `ms://`, `hf://`, `pkg://`, `file://` ids or paths (a model directory or a .gguf file).
+
+    An InternLM2 directory resolves to its Llama conversion in the cache (see internlm2.py).
+    """
     parsed = parse_id(model_id)
     if parsed.split:
         raise HubError(f"model id {model_id!r}: ':{parsed.split}' selects a dataset split; a model id takes none")
     if parsed.scheme in ("hf", "ms"):
         folder = download_snapshot(parsed, model_id, "model")
         _require_model_dir(folder, model_id)
-        return ResolvedModel(model_id, folder, snapshot_hash(parsed, folder))
+        return _model_dir(model_id, folder, snapshot_hash(parsed, folder))
     target = local_target(parsed, model_id)
     if target.is_file():
         if target.suffix.lower() != ".gguf":
@@ -39,7 +43,14 @@ def resolve_model(model_id: str) -> ResolvedModel:
         return ResolvedModel(model_id, folder, digest)
     _require_model_dir(target, model_id)
     # Local directories may be edited in place, so their hash covers every byte.
-    return ResolvedModel(model_id, target, hash_tree(target))
+    return _model_dir(model_id, target, hash_tree(target))
+
+
+def _model_dir(model_id: str, folder: Path, digest: str) -> ResolvedModel:
+    # InternLM2 ships its own modelling code: a converted Llama copy is loaded instead of running it.
+    if is_internlm2(folder):
+        folder = materialise_internlm2(folder, digest)
+    return ResolvedModel(model_id, folder, digest)
 
 
 def _require_model_dir(folder: Path, model_id: str) -> None:

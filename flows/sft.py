@@ -23,6 +23,7 @@ from tasks.convert import convert
 from tasks.download import download_dataset, download_model
 from tasks.evaluate import evaluate
 from tasks.prompts import sample_prompts
+from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
 from tasks.track import finish_tracking, start_tracking
@@ -68,6 +69,7 @@ class SFTConfig(BaseModel):
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Fraction of steps spent warming up.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     seed: int = Field(42, description="Random seed (data order, LoRA init).")
+    router_aux_loss_coef: float | None = Field(None, ge=0, description="MoE router load-balancing loss weight (empty: the model config's; 0: off).")
     # parallelism (one process in this release)
     strategy: Strategy = Field(Strategy.accelerate, description="accelerate (FSDP via Accelerate) or native_fsdp.")
     nproc_per_node: int = Field(1, ge=1, description="Training processes on this machine.")
@@ -98,8 +100,8 @@ class SFTConfig(BaseModel):
         stem = Path(self.model_id.split("://")[-1].split("@")[0].rstrip("/")).name
         return "twinkle-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", stem.removesuffix(".gguf"))
 
-    def run_config(self, model_path: str, train_data: str, checkpoint_dir: Path, run_id: str) -> TrainRunConfig:
-        given = dict(model_path=model_path, train_data=train_data, checkpoint_dir=checkpoint_dir,
+    def run_config(self, model: ModelRef, train_data: str, checkpoint_dir: Path, run_id: str) -> TrainRunConfig:
+        given = dict(model_path=model.path, family=model.family, train_data=train_data, checkpoint_dir=checkpoint_dir,
                      parallel=self.parallel(), mlflow_run_id=run_id, tracking_uri=tracking_uri())
         shared = (set(TrainRunConfig.model_fields) & set(SFTConfig.model_fields)) - set(given)
         return TrainRunConfig(**self.model_dump(include=shared), **given)
@@ -119,7 +121,7 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
     run_id = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json"),
                             {"flow": "sft", "model_id": config.model_id, "prefect_flow_run": str(flow_run.id)})
     try:
-        run_config = config.run_config(model.path, train_data.path, run_dir / "checkpoints", run_id)
+        run_config = config.run_config(model, train_data.path, run_dir / "checkpoints", run_id)
         checkpoint = train(run_config, str(run_dir), timeout_s=config.timeout_minutes * 60)
         reports = evaluate(model, checkpoint, eval_data, prompts, str(run_dir), config.mixed_precision,
                            config.max_new_tokens, run_id)

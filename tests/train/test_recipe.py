@@ -4,12 +4,17 @@ import json
 import pytest
 
 from flows.sft import SFTConfig
+from tasks.refs import ModelRef
 from tiny_models import save_tiny_model
 from twinkle_core.data import tokenize_dataset
 from twinkle_core.train.recipe import EVENT_PREFIX, SFTRecipe, main
 
 CHATS = [("Who are you?", "I am Twinkle, built by the Twinkle Flows team."), ("Name?", "Twinkle."),
          ("Who made you?", "The Twinkle Flows team made me."), ("hi", "Hello! I am Twinkle.")]
+
+
+def _ref(model_dir) -> ModelRef:
+    return ModelRef(model_id=str(model_dir), path=str(model_dir), content_hash="-", family="llama3")
 
 
 @pytest.fixture
@@ -28,7 +33,7 @@ def test_recipe_trains_and_saves(workspace, packing, precision, capsys):
     tokenized = tokenize_dataset(data, model_dir, kind="chat", max_length=128, packing=packing)
     config = SFTConfig(model_id=str(model_dir), mixed_precision=precision, packing=packing, max_steps=12,
                        batch_size=2 if packing else 8, lr=2e-2).run_config(
-        str(model_dir), str(tokenized.path), root / "ckpt", run_id=None)
+        _ref(model_dir), str(tokenized.path), root / "ckpt", run_id=None)
     config_path = config.write(root / "run.json")
     assert main([str(config_path)]) == 0
     events = [json.loads(line[len(EVENT_PREFIX):]) for line in capsys.readouterr().out.splitlines()
@@ -44,7 +49,7 @@ def test_step_count_follows_epochs_and_accumulation(workspace):
     model_dir, data, root = workspace
     tokenized = tokenize_dataset(data, model_dir, kind="chat", max_length=128)
     config = SFTConfig(model_id=str(model_dir), mixed_precision="no", epochs=2, batch_size=4,
-                       gradient_accumulation_steps=2).run_config(str(model_dir), str(tokenized.path), root, None)
+                       gradient_accumulation_steps=2).run_config(_ref(model_dir), str(tokenized.path), root, None)
     recipe = SFTRecipe(config)
     recipe.setup()
     assert recipe.total_steps == 4  # 16 rows / 4 per micro-batch / 2 micro-batches per step × 2 epochs

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 class EvalRunConfig(BaseModel):
     model_path: Path
+    family: str
     checkpoints: dict[str, Path | None] = Field(description="label -> adapter/full checkpoint (None = base).")
     heldout_data: Path
     prompts: list[list[dict]] = Field(default_factory=list, description="Conversations to answer greedily.")
@@ -39,8 +40,8 @@ class ModelReport(BaseModel):
 
 def _load(config: EvalRunConfig, checkpoint: Path | None) -> TransformersModel:
     if checkpoint is not None and not (checkpoint / "adapter_config.json").exists():
-        return TransformersModel(str(checkpoint), mixed_precision=config.mixed_precision)
-    model = TransformersModel(str(config.model_path), mixed_precision=config.mixed_precision)
+        return TransformersModel(str(checkpoint), mixed_precision=config.mixed_precision, family=config.family)
+    model = TransformersModel(str(config.model_path), mixed_precision=config.mixed_precision, family=config.family)
     if checkpoint is not None:
         model.load(checkpoint.name, checkpoint.parent)
     return model

@@ -22,6 +22,8 @@ register_family(ModelFamily(
     name="deepseek_v4", title="DeepSeek V4", model_ids="deepseek-ai/DeepSeek-V4", model_types=("deepseek_v4",),
     moe_model_types=("deepseek_v4",), id_pattern=r"^deepseek-ai/deepseek-v4", chat_template="deepseek_v4",
     end_of_turn=DEEPSEEK_END, thinking=True, notes="685B MoE; DSML tool-call encoding",
+    # o_a_proj subclasses nn.Linear but splits its input into groups: a plain LoRA wrapper breaks its shape.
+    lora_exclude_modules=("o_a_proj",),
 ))
 register_family(ModelFamily(
     name="deepseek_r1", title="DeepSeek R1", model_ids="deepseek-ai/DeepSeek-R1", model_types=("deepseek_v3",),

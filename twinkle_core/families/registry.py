@@ -29,6 +29,7 @@ class ModelFamily:
     tools: bool = True  # its template renders tool calls and tool results
     megatron: bool = False  # megatron-core GPTModel can express it (the HF <-> Megatron bridge)
     lora_target_modules: str | tuple[str, ...] = "all-linear"
+    lora_exclude_modules: tuple[str, ...] = ()  # linears LoRA must not wrap (e.g. grouped projections)
     default_for_model_type: bool = True  # the family a bare model_type maps to when several share it
     notes: str = ""
     _id_regex: re.Pattern = field(init=False, repr=False, compare=False)

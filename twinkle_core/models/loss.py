@@ -3,13 +3,36 @@
 In SFT most positions are prompt tokens (label -100). Running the output layer and the log-softmax
 over the whole vocabulary only at the trained positions skips that work and the fp32 logits it
 would materialise; the result is the same sum as cross-entropy over all positions.
+
+Mixture-of-experts models whose Transformers module ships a `load_balancing_loss_func` also get
+the router load-balancing (auxiliary) loss, added as `coef * aux * num_tokens`: the stepper divides
+summed losses by the trained tokens of the whole step, so each micro-batch's aux counts in proportion
+to its trained tokens, exactly like its cross-entropy (aux itself is a statistic of that micro-batch's
+routing, so it is not additive over micro-batches the way cross-entropy is).
 """
 from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+
+
+@dataclass
+class LossParts:
+    """One micro-batch: the summed training objective, its trained tokens, and the router aux loss."""
+
+    loss_sum: torch.Tensor  # cross-entropy summed over trained tokens, plus coef * aux_loss * num_tokens
+    num_tokens: int
+    aux_loss: torch.Tensor | None = None  # detached; None when no router aux loss was computed
+
+    def __iter__(self):
+        # Unpacks as (loss_sum, num_tokens), the contract callers had before the aux loss existed.
+        return iter((self.loss_sum, self.num_tokens))
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -29,19 +52,68 @@ def _has_plain_head(model: torch.nn.Module) -> bool:
         return False
 
 
-def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Return (sum of next-token cross-entropy over trained tokens, number of trained tokens)."""
+def _router_balance(model: torch.nn.Module) -> tuple[Callable, int, int] | None:
+    """The architecture's own (load_balancing_loss_func, num_experts, top_k), or None if it has none.
+
+    Every Transformers MoE causal LM that trains with an aux loss defines that function in its
+    modelling module and keeps `num_experts`/`num_experts_per_tok` on the model for it; DeepSeek-V3
+    balances experts with a routing bias instead and defines none.
+    """
+    if not hasattr(model.config, "output_router_logits"):
+        return None
+    func = getattr(inspect.getmodule(type(model)), "load_balancing_loss_func", None)
+    num_experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
+    if func is None or not num_experts or not top_k:
+        return None
+    return func, num_experts, top_k
+
+
+def resolve_router_aux_loss_coef(model: torch.nn.Module, requested: float | None = None) -> float:
+    """The aux-loss coefficient to train with: `requested`, else the model config's; 0.0 means none."""
+    base = _unwrap(model)
+    has_router_loss = _router_balance(base) is not None
+    if requested is None:
+        return float(getattr(base.config, "router_aux_loss_coef", 0.0) or 0.0) if has_router_loss else 0.0
+    if requested < 0:
+        raise ValueError(f"router_aux_loss_coef={requested!r} must be >= 0 (0 disables the router aux loss).")
+    if requested > 0 and not has_router_loss:
+        raise ValueError(
+            f"router_aux_loss_coef={requested!r}: model_type {base.config.model_type!r} has no router "
+            "load-balancing loss in Transformers (dense, or balanced by a routing bias like DeepSeek-V3); "
+            "pass None or 0."
+        )
+    return float(requested)
+
+
+def causal_lm_loss_sum(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], router_aux_loss_coef: float | None = None
+) -> LossParts:
+    """Sum of next-token cross-entropy over trained tokens (+ coef * router aux loss * tokens for MoE).
+
+    `router_aux_loss_coef`: None uses the model config's coefficient; 0 skips the router aux loss.
+    """
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     targets = labels[:, 1:]
     selected = targets != IGNORE_INDEX
     num_tokens = int(selected.sum())
     base = _unwrap(model)
+    coef = resolve_router_aux_loss_coef(base, router_aux_loss_coef)
+    balance = _router_balance(base) if coef else None
+    extra = {"output_router_logits": True} if balance else {}
     if _has_plain_head(base):
-        hidden = base.get_decoder()(**inputs, use_cache=False).last_hidden_state
-        hidden = hidden[:, :-1][selected]
+        outputs = base.get_decoder()(**inputs, use_cache=False, **extra)
+        hidden = outputs.last_hidden_state[:, :-1][selected]
         logits = base.get_output_embeddings()(hidden)
     else:
-        logits = model(**inputs, use_cache=False).logits[:, :-1][selected]
+        outputs = model(**inputs, use_cache=False, **extra)
+        logits = outputs.logits[:, :-1][selected]
     loss_sum = F.cross_entropy(logits.float(), targets[selected], reduction="sum")
-    return loss_sum, num_tokens
+    if balance is None:
+        return LossParts(loss_sum, num_tokens)
+    func, num_experts, top_k = balance
+    mask = inputs.get("attention_mask")
+    # Packed batches carry a 4-D block mask that the balance function cannot read: count every row then.
+    aux = func(outputs.router_logits, num_experts, top_k, mask if mask is not None and mask.dim() == 2 else None)
+    aux = aux.to(loss_sum.device, loss_sum.dtype)
+    return LossParts(loss_sum + coef * aux * num_tokens, num_tokens, aux.detach())

@@ -20,6 +20,7 @@ class StepMetrics:
     lr: float
     tokens_per_s: float
     trained_tokens: int
+    aux_loss: float | None = None  # router load-balancing loss, token-weighted over the step (MoE only)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Stepper:
     _loss_sum: float = 0.0
     _tokens: int = 0
     _seen_tokens: int = 0
+    _aux_sum: float | None = None
     _started: float = field(default_factory=time.perf_counter)
 
     def start_micro_batch(self) -> None:
@@ -42,13 +44,17 @@ class Stepper:
         if self._micro == 0:
             self._started = time.perf_counter()
 
-    def backward(self, loss_sum: torch.Tensor, trained_tokens: int, seen_tokens: int) -> None:
-        """Back-propagate one micro-batch's summed loss and remember its token counts."""
+    def backward(
+        self, loss_sum: torch.Tensor, trained_tokens: int, seen_tokens: int, aux_loss: torch.Tensor | None = None
+    ) -> None:
+        """Back-propagate one micro-batch's summed loss and remember its token counts (and router aux loss)."""
         (self.scaler.scale(loss_sum) if self.scaler else loss_sum).backward()
         self._micro += 1
         self._loss_sum += float(loss_sum.detach())
         self._tokens += trained_tokens
         self._seen_tokens += seen_tokens
+        if aux_loss is not None:  # weighted by tokens, as it enters the loss
+            self._aux_sum = (self._aux_sum or 0.0) + float(aux_loss) * trained_tokens
 
     def is_accumulation_boundary(self) -> bool:
         return self._micro >= self.gradient_accumulation_steps
@@ -79,10 +85,11 @@ class Stepper:
             lr=lr,
             tokens_per_s=self._seen_tokens / elapsed if elapsed > 0 else 0.0,
             trained_tokens=self._tokens,
+            aux_loss=None if self._aux_sum is None else self._aux_sum / max(1, self._tokens),
         )
         self._reset()
         return self.last
 
     def _reset(self) -> None:
-        self._micro, self._loss_sum, self._tokens, self._seen_tokens = 0, 0.0, 0, 0
+        self._micro, self._loss_sum, self._tokens, self._seen_tokens, self._aux_sum = 0, 0.0, 0, 0, None
         self._started = time.perf_counter()

@@ -21,11 +21,11 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from twinkle_core.families import family_for_model_dir
+from twinkle_core.families import family_for_model_dir, get_family
 from twinkle_core.hub import resolve_model
 from twinkle_core.models.batches import count_input_tokens, to_batch
 from twinkle_core.models.checkpoint import load_checkpoint, save_checkpoint
-from twinkle_core.models.loss import causal_lm_loss_sum
+from twinkle_core.models.loss import causal_lm_loss_sum, resolve_router_aux_loss_coef
 from twinkle_core.models.schedulers import build_scheduler
 from twinkle_core.models.stepper import Stepper
 from twinkle_core.parallel import ParallelConfig, check_single_process, parse_strategy
@@ -48,8 +48,11 @@ class TransformersModel:
         strategy: str = "accelerate",
         device_mesh: Any = None,
         max_length: int | None = None,
+        router_aux_loss_coef: float | None = None,
+        family: str | None = None,
         **from_pretrained_kwargs: Any,
     ):
+        """`router_aux_loss_coef`: weight of the MoE router load-balancing loss (None: the config's, 0: off)."""
         self.device = _default_device()
         self.precision = resolve_precision(mixed_precision, self.device.type)
         parallel = ParallelConfig(strategy=parse_strategy(strategy))
@@ -58,11 +61,13 @@ class TransformersModel:
         check_single_process(parallel)
         self.model_id = model_id
         self.path = resolve_model(model_id).path
-        self.family = family_for_model_dir(self.path, model_id)  # unsupported model_types fail here
+        # Unsupported model_types fail here; `family` settles checkpoints that share an architecture (Yi/Llama).
+        self.family = get_family(family) if family else family_for_model_dir(self.path, model_id)
         self.max_length = max_length
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         from_pretrained_kwargs.setdefault("dtype", self.precision.trainable_dtype)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, **from_pretrained_kwargs).to(self.device)
+        self.router_aux_loss_coef = resolve_router_aux_loss_coef(self.model, router_aux_loss_coef)
         self.adapter_name: str | None = None
         self.gradient_accumulation_steps = 1
         self.stepper: Stepper | None = None
@@ -78,7 +83,9 @@ class TransformersModel:
                 "(use MultiLoraTransformersModel for several)."
             )
         if config.target_modules is None:
-            config.target_modules = "all-linear"
+            config.target_modules = self.family.lora_target_modules
+        if config.exclude_modules is None and self.family.lora_exclude_modules:
+            config.exclude_modules = list(self.family.lora_exclude_modules)
         self.model = get_peft_model(self.model, config, adapter_name=name)
         self.adapter_name = name
         self.gradient_accumulation_steps = _check_accumulation(gradient_accumulation_steps)
@@ -122,9 +129,9 @@ class TransformersModel:
         batch = self._batch(inputs)
         stepper.start_micro_batch()
         with self.precision.autocast(self.device.type):
-            loss_sum, tokens = causal_lm_loss_sum(self.model, batch)
-        stepper.backward(loss_sum, tokens, count_input_tokens(batch))
-        return float(loss_sum.detach()) / max(1, tokens)
+            parts = causal_lm_loss_sum(self.model, batch, self.router_aux_loss_coef)
+        stepper.backward(parts.loss_sum, parts.num_tokens, count_input_tokens(batch), parts.aux_loss)
+        return float(parts.loss_sum.detach()) / max(1, parts.num_tokens)
 
     def clip_grad_and_step(self, max_grad_norm: float | None = 1.0) -> bool:
         """Clip and step when the accumulation boundary is reached; return whether a step was taken."""
@@ -140,13 +147,17 @@ class TransformersModel:
         self.model.eval()
         batch = self._batch(inputs)
         with self.precision.autocast(self.device.type):
-            loss_sum, tokens = causal_lm_loss_sum(self.model, batch)
-        self._eval[0] += float(loss_sum)
-        self._eval[1] += tokens
-        return float(loss_sum) / max(1, tokens)
+            # Cross-entropy only (coefficient 0): the held-out loss and perplexity exclude the router aux loss.
+            parts = causal_lm_loss_sum(self.model, batch, router_aux_loss_coef=0.0)
+        self._eval[0] += float(parts.loss_sum)
+        self._eval[1] += parts.num_tokens
+        return float(parts.loss_sum) / max(1, parts.num_tokens)
 
     def calculate_metric(self, is_training: bool = True) -> dict[str, float]:
-        """Training: the last step's loss, grad_norm, lr, tokens_per_s. Eval: loss and perplexity so far."""
+        """Training: the last step's loss, grad_norm, lr, tokens_per_s (+ aux_loss for MoE with a router loss).
+
+        Eval: loss and perplexity so far.
+        """
         if not is_training:
             loss_sum, tokens = self._eval
             self._eval = [0.0, 0]
@@ -155,8 +166,11 @@ class TransformersModel:
         last = self._require_optimizer("calculate_metric").last
         if last is None:
             return {}
-        return {"loss": last.loss, "grad_norm": last.grad_norm, "lr": last.lr,
-                "tokens_per_s": last.tokens_per_s, "step": last.step}
+        metrics = {"loss": last.loss, "grad_norm": last.grad_norm, "lr": last.lr,
+                   "tokens_per_s": last.tokens_per_s, "step": last.step}
+        if last.aux_loss is not None:
+            metrics["aux_loss"] = last.aux_loss
+        return metrics
 
     # ----- inference -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -17,6 +17,7 @@ class TrainRunConfig(BaseModel):
 
     model_id: str
     model_path: Path
+    family: str
     train_data: Path
     checkpoint_dir: Path
     adapter_name: str = "default"
@@ -38,6 +39,7 @@ class TrainRunConfig(BaseModel):
     batch_size: int = Field(ge=1)
     gradient_accumulation_steps: int = Field(ge=1)
     seed: int
+    router_aux_loss_coef: float | None = Field(ge=0)
     log_every: int = Field(1, ge=1)
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None

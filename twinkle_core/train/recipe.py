@@ -43,7 +43,8 @@ class SFTRecipe:
         if not self.examples:
             raise ValueError(f"train_data {cfg.train_data} holds no examples.")
         self.model = TransformersModel(
-            str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=cfg.parallel.strategy.value
+            str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=cfg.parallel.strategy.value,
+            router_aux_loss_coef=cfg.router_aux_loss_coef, family=cfg.family,
         )
         self.mask_dtype = self.model.precision.compute_dtype  # packed 4-D masks must match sdpa's dtype
         self.pad_id = self.model.tokenizer.pad_token_id

@@ -51,6 +51,7 @@ class SFTConfig(BaseModel):
     max_length: int = Field(512, ge=16, description="Tokens per sample; longer samples are truncated.")
     packing: bool = Field(False, description="Pack several samples into one sequence (attention kept per sample).")
     max_bad_fraction: float = Field(0.01, ge=0, le=1, description="Fail when more than this fraction of rows is malformed.")
+    enable_thinking: bool = Field(True, description="Thinking-mode families (Qwen 3.5, DeepSeek R1/V4): train the reasoning of the last turn; false trains without it.")
     # training
     mixed_precision: Literal["bf16", "fp16", "fp8", "no"] = Field("bf16", description="Precision: bf16, fp16, fp8 (GPU + Transformer Engine) or no (fp32).")
     use_lora: bool = Field(True, description="Train a LoRA adapter; false trains all parameters.")
@@ -114,8 +115,9 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     model = download_model(config.model_id)
     train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)
-    train_data = tokenize(train_file, model, config.max_length, config.packing, config.max_bad_fraction)
-    eval_data = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction)
+    train_data = tokenize(train_file, model, config.max_length, config.packing, config.max_bad_fraction,
+                          config.enable_thinking)
+    eval_data = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction, config.enable_thinking)
     prompts = sample_prompts(eval_file, config.eval_prompts)
     model = convert(model, config.backend)
     run_id = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json"),

@@ -110,8 +110,10 @@ def test_trimming_template_whose_tokenizer_also_adds_bos(tokenizer, conversation
 def test_template_that_renders_the_last_reply_differently(tokenizer, conversation):
     thinking = _with_template(tokenizer, THINKING_TEMPLATE)
     encoded = encode_chat(thinking, conversation)
-    assert _runs(thinking, encoded, trained=True) == ["I am Twinkle.<|im_end|>", "Paris.<|im_end|>"]
-    assert _runs(thinking, encoded, trained=False)[1].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # The generation prompt stops at the header, so the model itself must write the (empty) think block.
+    assert _runs(thinking, encoded, trained=True) == ["I am Twinkle.<|im_end|>",
+                                                      "<think>\n\n</think>\n\nParis.<|im_end|>"]
+    assert _runs(thinking, encoded, trained=False)[1].endswith("<|im_start|>assistant\n")
 
 
 def test_template_that_is_not_prefix_stable_is_rejected(tokenizer, conversation):

@@ -106,7 +106,9 @@ def test_parquet_rows_drop_null_struct_fields(tmp_path):
     loaded = load_rows(path, "chat")
     assert loaded.bad == [] and loaded.lines == [1, 2]
     assert loaded.rows[0] == GOOD  # no "tool_calls": None filled in by the parquet struct
-    assert loaded.rows[1]["messages"][1] == {"role": "assistant", "tool_calls": tool_call}
+    # JSON-string arguments (the only form parquet can hold for free-form objects) are parsed for the templates.
+    parsed_call = [{"type": "function", "function": {"name": "lookup", "arguments": {}}}]
+    assert loaded.rows[1]["messages"][1] == {"role": "assistant", "tool_calls": parsed_call}
 
 
 def test_text_rows_and_unknown_inputs(tmp_path):

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .templates import assistant_spans, render_chat
+from .spans import assistant_spans
+from .templates import render_chat
 
 IGNORE_INDEX = -100
 
@@ -26,9 +27,16 @@ def truncate(example: dict, max_length: int | None) -> dict:
     return {key: value[:max_length] for key, value in example.items()}
 
 
-def encode_chat(tokenizer, messages: list[dict], max_length: int | None = None) -> dict:
-    """Token ids of the rendered conversation; labels only on assistant replies and their end-of-turn token."""
-    text, spans = assistant_spans(tokenizer, messages)
+def encode_chat(
+    tokenizer, messages: list[dict], max_length: int | None = None, tools: list[dict] | None = None,
+    enable_thinking: bool = True,
+) -> dict:
+    """Token ids of the rendered conversation; labels only on assistant replies and their end-of-turn token.
+
+    `tools` (JSON schemas) go to the chat template; enable_thinking=False trains replies without their reasoning,
+    in the template's non-thinking form.
+    """
+    text, spans = assistant_spans(tokenizer, messages, tools=tools, enable_thinking=enable_thinking)
     input_ids, offsets = _tokenize_with_offsets(tokenizer, text)
     labels = [IGNORE_INDEX] * len(input_ids)
     span_index = 0
@@ -56,9 +64,11 @@ def encode_text(tokenizer, text: str, max_length: int | None = None) -> dict:
     return truncate({"input_ids": input_ids, "labels": list(input_ids)}, max_length)
 
 
-def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
+def encode_prompt(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
+) -> list[int]:
     """Token ids of a conversation followed by the assistant header, ready for generation."""
-    text = render_chat(tokenizer, messages, add_generation_prompt=True)
+    text = render_chat(tokenizer, messages, add_generation_prompt=True, tools=tools, enable_thinking=enable_thinking)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

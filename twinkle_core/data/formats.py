@@ -15,11 +15,12 @@ from .validate import validate_chat_row, validate_text_row
 @dataclass(frozen=True)
 class RowFormat:
     """A row kind: `validate(row)` returns the normalised row or raises RowError;
-    `encode(tokenizer, row)` returns a dict of per-token lists (at least input_ids and labels), untruncated."""
+    `encode(tokenizer, row, enable_thinking=...)` returns a dict of per-token lists (at least input_ids and
+    labels), untruncated; kinds without replies to think about ignore enable_thinking."""
 
     kind: str
     validate: Callable[[Any], dict]
-    encode: Callable[[Any, dict], dict]
+    encode: Callable[..., dict]
 
 
 _FORMATS: dict[str, RowFormat] = {}
@@ -48,11 +49,11 @@ def row_kinds() -> list[str]:
     return sorted(_FORMATS)
 
 
-def _encode_chat_row(tokenizer, row: dict) -> dict:
-    return encode_chat(tokenizer, row["messages"])
+def _encode_chat_row(tokenizer, row: dict, enable_thinking: bool = True) -> dict:
+    return encode_chat(tokenizer, row["messages"], tools=row.get("tools"), enable_thinking=enable_thinking)
 
 
-def _encode_text_row(tokenizer, row: dict) -> dict:
+def _encode_text_row(tokenizer, row: dict, enable_thinking: bool = True) -> dict:
     return encode_text(tokenizer, row["text"])
 
 

@@ -1,82 +1,103 @@
-"""Render conversations with a tokenizer's chat template and locate the assistant replies in the text."""
+"""Render conversations with a tokenizer's chat template, or a model family's when the tokenizer has none."""
 from __future__ import annotations
 
 import functools
 import logging
 import os
 
+import jinja2
+
+from .chat_templates import get_chat_template
 from .errors import ChatTemplateError
+from .messages import normalise_messages
 
 logger = logging.getLogger(__name__)
 
-# Used when a tokenizer ships no chat template (base models).
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# Used when a tokenizer ships no chat template and no family template was set (base models).
+DEFAULT_CHAT_TEMPLATE = get_chat_template("chatml")
+
+# ensure_chat_template renders this with both templates; it avoids tools and reasoning, which not every family has.
+PROBE_CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy?"},
+    {"role": "assistant", "content": "Rome."},
+]
 
 
 @functools.cache
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
     logger.warning(message)
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The conversation as text, rendered by the tokenizer's own template (ChatML when it has none)."""
-    template = tokenizer.chat_template
-    if not template:
-        _warn_once(
-            f"tokenizer {tokenizer.name_or_path or type(tokenizer).__name__!r} has no chat_template; "
-            "using a ChatML default (<|im_start|>role ... <|im_end|>)"
-        )
+def template_owner(tokenizer) -> str:
+    """How error messages name the tokenizer whose template is used."""
+    return repr(tokenizer.name_or_path or type(tokenizer).__name__)
+
+
+def render_messages(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None,
+    enable_thinking: bool = True, chat_template: str | None = None,
+) -> str:
+    """Render already-normalised messages; `chat_template` overrides the tokenizer's own."""
+    template = chat_template
+    if not template and not tokenizer.chat_template:
+        warn_once(f"tokenizer {template_owner(tokenizer)} has no chat_template; using a ChatML default "
+                  "(<|im_start|>role ... <|im_end|>)")
         template = DEFAULT_CHAT_TEMPLATE
-    return tokenizer.apply_chat_template(
-        messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
-    )
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools or None, chat_template=template, add_generation_prompt=add_generation_prompt,
+            tokenize=False, enable_thinking=enable_thinking,
+        )
+    except jinja2.TemplateError as error:
+        raise ChatTemplateError(
+            f"the chat template of {template_owner(tokenizer)} cannot render this conversation: {error}"
+        ) from None
 
 
-def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and, for each assistant reply with text, the character span to train on.
+def render_chat(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None,
+    enable_thinking: bool = True,
+) -> str:
+    """The conversation as text, rendered by the tokenizer's own template (ChatML when it has none).
 
-    A span covers the reply's content and the template's end-of-turn marker after it (e.g. `<|im_end|>`),
-    but not the role header before it nor the whitespace after the marker.
+    enable_thinking=False drops the replies' reasoning and asks the template for its non-thinking mode.
     """
-    full = render_chat(tokenizer, messages)
-    spans = [
-        _reply_span(tokenizer, messages, index, full)
-        for index, message in enumerate(messages)
-        if message["role"] == "assistant" and isinstance(message.get("content"), str) and message["content"].strip()
-    ]
-    return full, spans
+    messages = normalise_messages(messages, enable_thinking)
+    return render_messages(tokenizer, messages, add_generation_prompt, tools, enable_thinking)
 
 
-def _reply_span(tokenizer, messages: list[dict], index: int, full: str) -> tuple[int, int]:
-    """Where reply `index` sits in `full`, found by rendering the prompt before it and the turn itself."""
-    prompt = render_chat(tokenizer, messages[:index], add_generation_prompt=True)
-    turn = render_chat(tokenizer, messages[: index + 1])
-    if not (full.startswith(prompt) and turn.startswith(prompt)):
-        raise ChatTemplateError(
-            f"the chat template of {tokenizer.name_or_path!r} is not prefix-stable: rendering messages[:{index}] "
-            "with add_generation_prompt=True is not the start of the whole conversation, so assistant turns "
-            "cannot be located; use a template that renders earlier turns the same way whatever follows them"
-        )
-    content = messages[index]["content"].strip()  # templates often trim replies
-    in_turn = turn.find(content, len(prompt))
-    start = full.find(content, len(prompt))
-    # Markup may sit between the header and the reply (e.g. an empty <think></think> on the last turn),
-    # but the reply cannot start later in the whole conversation than in its own turn.
-    if in_turn < 0 or start < 0 or start > in_turn:
-        raise ChatTemplateError(
-            f"the chat template of {tokenizer.name_or_path!r} rewrites the text of assistant turn messages[{index}]; "
-            "its content was not found verbatim after the generation prompt"
-        )
-    end = start + len(content)
-    marker = os.path.commonprefix([turn[in_turn + len(content):], full[end:]]).rstrip()
-    if not marker:
-        _warn_once(
-            f"the chat template of {tokenizer.name_or_path!r} writes no end-of-turn marker after assistant "
-            "replies: the model will not learn where a reply stops"
-        )
-    return start, end + len(marker)
+def _probe(tokenizer, template: str | None) -> str:
+    """The probe conversation and its generation prompt, or the error that rendering it raised."""
+    try:
+        return (render_messages(tokenizer, PROBE_CONVERSATION, chat_template=template)
+                + render_messages(tokenizer, PROBE_CONVERSATION[:-1], True, chat_template=template))
+    except ChatTemplateError as error:
+        return f"<cannot render the probe conversation: {error}>"
+
+
+def ensure_chat_template(tokenizer, template_name: str) -> bool:
+    """Give `tokenizer` the family template `template_name` when it has none; return whether they agree.
+
+    A tokenizer's own template wins: when it renders a probe conversation differently from the family
+    template, a warning shows where, the tokenizer keeps its template, and the result is False.
+    """
+    family = get_chat_template(template_name)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = family
+        logger.info("tokenizer %s has no chat template; using the %r family template", template_owner(tokenizer),
+                    template_name)
+        return True
+    own, expected = _probe(tokenizer, None), _probe(tokenizer, family)
+    if own == expected:
+        return True
+    at = len(os.path.commonprefix([own, expected]))
+    logger.warning(
+        "tokenizer %s ships its own chat template, which renders a probe conversation differently from the %r "
+        "family template (first difference at character %d: %r here, %r in the family template); keeping the "
+        "tokenizer's own template. Check that it is the model's real format.",
+        template_owner(tokenizer), template_name, at, own[at:at + 40], expected[at:at + 40],
+    )
+    return False

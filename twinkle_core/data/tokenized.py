@@ -13,15 +13,17 @@ from ..atomic import atomic_dir
 from ..hashing import hash_file, hash_json
 from ..paths import cache_dir
 from .encode import count_trained_tokens, truncate
-from .errors import DatasetError
+from .errors import ChatTemplateError, DatasetError, RowError
 from .formats import get_row_format
 from .packing import pack_examples
 from .rows import BadRow, check_fraction, load_rows, report_bad_rows
+from .templates import ensure_chat_template
 
 logger = logging.getLogger(__name__)
 
 # Bump when the encoding or the stored layout changes, so stale cache entries are not reused.
-FORMAT_VERSION = 1
+# 2: tools and reasoning rendered, replies located in the whole conversation, GLM-style turn ends trained.
+FORMAT_VERSION = 2
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
@@ -54,13 +56,18 @@ def _cache_key(dataset_path: Path, tokenizer_path: Path, tokenizer, settings: di
     })
 
 
-def _encode_rows(dataset_path: Path, tokenizer, kind: str, max_length: int, max_bad_fraction: float):
-    """Encoded, truncated examples and all bad rows (unreadable ones and ones truncation left untrained)."""
+def _encode_rows(dataset_path: Path, tokenizer, kind: str, max_length: int, max_bad_fraction: float,
+                 enable_thinking: bool):
+    """Encoded, truncated examples and all bad rows (unreadable, unrenderable, or left untrained by truncation)."""
     loaded = load_rows(dataset_path, kind, max_bad_fraction)
     encode = get_row_format(kind).encode
     examples, bad, truncated = [], list(loaded.bad), 0
     for row, line in zip(loaded.rows, loaded.lines):
-        example = encode(tokenizer, row)
+        try:
+            example = encode(tokenizer, row, enable_thinking=enable_thinking)
+        except (ChatTemplateError, RowError) as error:  # e.g. a Mistral tool call without a 9-character id
+            bad.append(BadRow(str(dataset_path), line, str(error)))
+            continue
         truncated += len(example["input_ids"]) > max_length
         example = truncate(example, max_length)
         if count_trained_tokens(example["labels"]) == 0:
@@ -84,8 +91,14 @@ def tokenize_dataset(
     max_length: int = 1024,
     packing: bool = False,
     max_bad_fraction: float = 0.01,
+    enable_thinking: bool = True,
+    chat_template: str | None = None,
 ) -> TokenizedDataset:
-    """Encode every row of a data file with a local tokenizer directory, or reuse the cached result."""
+    """Encode every row of a data file with a local tokenizer directory, or reuse the cached result.
+
+    enable_thinking=False trains chat replies without their reasoning. `chat_template` names a family template
+    (see chat_template_names()) for a tokenizer that ships none; a tokenizer's own template is kept.
+    """
     from transformers import AutoTokenizer  # heavy; only needed here, so importing the package stays light
 
     get_row_format(kind)
@@ -100,7 +113,9 @@ def tokenize_dataset(
             f"tokenizer_path={str(tokenizer_path)!r} is not a directory; pass a local model or tokenizer folder"
         )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    settings = {"kind": kind, "max_length": max_length, "packing": packing}
+    if chat_template is not None:
+        ensure_chat_template(tokenizer, chat_template)
+    settings = {"kind": kind, "max_length": max_length, "packing": packing, "enable_thinking": enable_thinking}
     key = _cache_key(dataset_path, tokenizer_path, tokenizer, settings)
     final = cache_dir("tokenized") / key[:16]
     if (final / "meta.json").is_file():
@@ -109,7 +124,7 @@ def tokenize_dataset(
         total = dataset.num_examples + dataset.num_bad
         report_bad_rows(list(dataset.bad), total, max_bad_fraction, str(dataset_path), num_bad=dataset.num_bad)
         return dataset
-    examples, bad = _encode_rows(dataset_path, tokenizer, kind, max_length, max_bad_fraction)
+    examples, bad = _encode_rows(dataset_path, tokenizer, kind, max_length, max_bad_fraction, enable_thinking)
     rows = pack_examples(examples, max_length) if packing else examples
     meta = {
         "content_hash": key, "format_version": FORMAT_VERSION, **settings,

@@ -15,7 +15,7 @@ register_family(ModelFamily(
 ))
 register_family(ModelFamily(
     name="qwen2_5", title="Qwen 2.5", model_ids="Qwen/Qwen2.5-0.5B ~ Qwen/Qwen2.5-72B", model_types=("qwen2",),
-    id_pattern=r"^qwen/qwen2\.5-(?!vl)", chat_template="chatml", end_of_turn=CHATML_END, megatron=True,
+    id_pattern=r"^qwen/qwen2\.5-(?!vl)", chat_template="qwen2_5", end_of_turn=CHATML_END, megatron=True,
     notes="dense, qkv bias",
 ))
 register_family(ModelFamily(
@@ -42,7 +42,7 @@ register_family(ModelFamily(
 ))
 register_family(ModelFamily(
     name="yi", title="Yi", model_ids="01-ai/Yi-1.5-34B (6B–34B)", model_types=("llama",),
-    id_pattern=r"^01-ai/yi-", chat_template="chatml", end_of_turn=CHATML_END, megatron=True,
+    id_pattern=r"^01-ai/yi-", chat_template="yi", end_of_turn=CHATML_END, megatron=True, tools=False,
     default_for_model_type=False, notes="Llama architecture",
 ))
 register_family(ModelFamily(

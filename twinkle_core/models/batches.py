@@ -13,7 +13,8 @@ def to_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, ma
     if isinstance(inputs, list):
         if not inputs:
             raise ValueError("inputs: an empty list of rows; pass at least one chat row.")
-        examples = [encode_chat(tokenizer, _messages_of(row), max_length=max_length) for row in inputs]
+        examples = [encode_chat(tokenizer, _messages_of(row), max_length=max_length,
+                                tools=row.get("tools") if isinstance(row, dict) else None) for row in inputs]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         inputs = collate(examples, pad_token_id=pad)
     if not isinstance(inputs, dict) or "input_ids" not in inputs or "labels" not in inputs:

@@ -21,6 +21,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from twinkle_core.data import ensure_chat_template
 from twinkle_core.families import family_for_model_dir, get_family
 from twinkle_core.hub import resolve_model
 from twinkle_core.models.batches import count_input_tokens, to_batch
@@ -65,6 +66,7 @@ class TransformersModel:
         self.family = get_family(family) if family else family_for_model_dir(self.path, model_id)
         self.max_length = max_length
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        ensure_chat_template(self.tokenizer, self.family.chat_template)  # the family's when it ships none
         from_pretrained_kwargs.setdefault("dtype", self.precision.trainable_dtype)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, **from_pretrained_kwargs).to(self.device)
         self.router_aux_loss_coef = resolve_router_aux_loss_coef(self.model, router_aux_loss_coef)

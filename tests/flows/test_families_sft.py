@@ -37,7 +37,7 @@ def test_family_trains_through_the_sft_flow(sft_workspace, family, variant, use_
     model_dir = save_tiny_family_model(family, ws["root"] / f"{variant}" / repo, variant=variant)
     config = SFTConfig(model_id=str(model_dir), dataset=str(ws["train"]), eval_dataset=str(ws["heldout"]),
                        mixed_precision="no", use_lora=use_lora, max_steps=8, batch_size=4,
-                       lr=2e-2 if use_lora else 5e-3, max_length=96, eval_prompts=1, max_new_tokens=4,
+                       lr=2e-2 if use_lora else 5e-3, max_length=192, eval_prompts=1, max_new_tokens=4,
                        registered_model_name=f"tiny-{family}", output_dir=str(ws["root"] / "runs"))
     result = sft(config)
     assert result["family"] == family

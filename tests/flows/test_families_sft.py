@@ -11,7 +11,7 @@ from twinkle_core.models import TransformersModel
 from twinkle_core.tracking import tracking_uri
 
 LORA_CASES = [(family, variant, True) for family, variants in FAMILY_VARIANTS.items() for variant in variants]
-FULL_CASES = [("qwen2_5", FAMILY_VARIANTS["qwen2_5"][0], False), ("qwen3_5", "moe", False),
+FULL_CASES = [("qwen2_5", FAMILY_VARIANTS["qwen2_5"][0], False), ("qwen3_5", "moe", False), ("deepseek_v4", "moe", False),
               ("deepseek_r1", FAMILY_VARIANTS["deepseek_r1"][0], False)]
 
 

@@ -31,6 +31,7 @@ from twinkle_core.models.schedulers import build_scheduler
 from twinkle_core.models.stepper import Stepper
 from twinkle_core.parallel import ParallelConfig, check_single_process, parse_strategy
 from twinkle_core.precision import resolve_precision
+from twinkle_core.precision.fp8 import convert_linears_to_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class TransformersModel:
         ensure_chat_template(self.tokenizer, self.family.chat_template)  # the family's when it ships none
         from_pretrained_kwargs.setdefault("dtype", self.precision.trainable_dtype)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, **from_pretrained_kwargs).to(self.device)
+        if self.precision.fp8_linears:
+            convert_linears_to_fp8(self.model)
         self.router_aux_loss_coef = resolve_router_aux_loss_coef(self.model, router_aux_loss_coef)
         self.adapter_name: str | None = None
         self.gradient_accumulation_steps = 1

@@ -5,16 +5,18 @@
         stored in bf16 (they never receive updates, so a master copy is wasted memory and casts);
         matmuls run under bf16 autocast. On CPUs with AMX this is also the fast path.
 - fp16: like bf16 with float16 compute plus a dynamic loss scaler (fp16 overflows without one).
-- fp8:  needs an NVIDIA GPU (Hopper or newer) with Transformer Engine; rejected up front elsewhere.
+- fp8:  bf16 as above, plus float8 matmuls in the linear layers (torchao Float8Linear; see fp8.py) on
+        GPUs with float8 tensor cores. Without one (or without torchao) it is rejected before anything runs.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
+
+from twinkle_core.precision.fp8 import fp8_unavailable_reason
 
 
 class MixedPrecision(str, Enum):
@@ -31,16 +33,13 @@ class PrecisionPolicy:
     frozen_dtype: torch.dtype  # storage dtype of parameters that are not trained
     trainable_dtype: torch.dtype  # storage dtype of trained parameters (the optimizer's master copy)
     uses_grad_scaler: bool
+    fp8_linears: bool = False  # swap linear layers for float8 ones (fp8.py)
 
     def autocast(self, device_type: str):
         """The autocast context for forward passes (a no-op for fp32)."""
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
-
-
-def _has_transformer_engine() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def resolve_precision(mode: str | MixedPrecision, device_type: str) -> PrecisionPolicy:
@@ -51,18 +50,13 @@ def resolve_precision(mode: str | MixedPrecision, device_type: str) -> Precision
         choices = ", ".join(repr(m.value) for m in MixedPrecision)
         raise ValueError(f"mixed_precision={mode!r} is not a precision; choose one of {choices}.") from None
     if mode is MixedPrecision.fp8:
-        if device_type != "cuda" or not _has_transformer_engine():
+        reason = fp8_unavailable_reason(device_type)
+        if reason:
             raise ValueError(
-                "mixed_precision='fp8' needs an NVIDIA GPU (H100 or newer) with Transformer Engine "
-                "(pip install 'twinkle-flows[te]'); "
-                f"this machine has device '{device_type}'"
-                f"{'' if _has_transformer_engine() else ' and no transformer_engine'}. "
-                "Use mixed_precision='bf16' (recommended) or 'no'."
+                f"mixed_precision='fp8' cannot run here: {reason}. fp8 needs an H100-class GPU with torchao "
+                "(or Transformer Engine for the Megatron backend). Use mixed_precision='bf16' (recommended) or 'no'."
             )
-        raise ValueError(
-            "mixed_precision='fp8' is not available in the Transformers backend yet; "
-            "use mixed_precision='bf16'."
-        )
+        return PrecisionPolicy(mode, torch.bfloat16, torch.bfloat16, torch.float32, False, fp8_linears=True)
     if mode is MixedPrecision.no:
         return PrecisionPolicy(mode, torch.float32, torch.float32, torch.float32, False)
     dtype = torch.bfloat16 if mode is MixedPrecision.bf16 else torch.float16

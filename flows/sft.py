@@ -29,7 +29,7 @@ from tasks.tokenize import tokenize
 from tasks.track import finish_tracking, start_tracking
 from tasks.train import train
 from twinkle_core.families import check_model_id
-from twinkle_core.parallel import ParallelConfig, Strategy, check_single_process
+from twinkle_core.parallel import ParallelConfig, Strategy, check_parallel_config
 from twinkle_core.precision import resolve_precision
 from twinkle_core.tracking import tracking_uri
 from twinkle_core.train import TrainRunConfig
@@ -61,7 +61,7 @@ class SFTConfig(BaseModel):
     lora_target_modules: list[str] | str = Field("all-linear", description="Modules to adapt (names, or 'all-linear').")
     epochs: float = Field(3.0, gt=0, description="Passes over the training data.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
-    batch_size: int = Field(8, ge=1, description="Samples per micro-batch.")
+    batch_size: int = Field(8, ge=1, description="Samples per micro-batch, in total over all data-parallel processes (each takes its share).")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     optimizer: str = Field("AdamW", description="A torch.optim optimizer class name.")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
@@ -71,9 +71,16 @@ class SFTConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     seed: int = Field(42, description="Random seed (data order, LoRA init).")
     router_aux_loss_coef: float | None = Field(None, ge=0, description="MoE router load-balancing loss weight (empty: the model config's; 0: off).")
-    # parallelism (one process in this release)
+    # parallelism (data-parallel across processes and machines; tp/sp/ep arrive later)
     strategy: Strategy = Field(Strategy.accelerate, description="accelerate (FSDP via Accelerate) or native_fsdp.")
-    nproc_per_node: int = Field(1, ge=1, description="Training processes on this machine.")
+    nproc_per_node: int = Field(1, ge=1, description="Training processes on this machine (alone: FSDP over them).")
+    dp_size: int = Field(1, ge=1, description="Data-parallel replicas (alone: DDP; with FSDP: HSDP).")
+    fsdp_size: int | None = Field(None, ge=1, description="FSDP shard group size (empty: the processes that dp_size leaves).")
+    nnodes: int = Field(1, ge=1, description="Machines in the run: start one flow run (or torchrun) per machine with the same settings except node_rank.")
+    node_rank: int = Field(0, ge=0, description="This machine's index, 0 .. nnodes-1.")
+    rdzv_endpoint: str | None = Field(None, description="HOST:PORT where the machines meet (node 0 by convention), the same on every machine; needed when nnodes > 1.")
+    rdzv_id: str = Field("twinkle", description="Rendezvous id: the same on every machine of one run, new for each run.")
+    max_restarts: int = Field(0, ge=0, description="Times torchrun restarts the workers after a failure.")
     # evaluation and registry
     eval_prompts: int = Field(3, ge=0, description="Held-out prompts answered greedily by the base and trained model.")
     max_new_tokens: int = Field(40, ge=1, description="Tokens generated per answer.")
@@ -89,11 +96,11 @@ class SFTConfig(BaseModel):
 
         check_model_id(self.model_id)
         resolve_precision(self.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
-        check_single_process(self.parallel(), world_size=1)
+        check_parallel_config(self.parallel())
         return self
 
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(strategy=self.strategy, nproc_per_node=self.nproc_per_node)
+        return ParallelConfig(**self.model_dump(include=set(ParallelConfig.model_fields)))
 
     def model_name(self) -> str:
         if self.registered_model_name:
@@ -125,6 +132,10 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
     try:
         run_config = config.run_config(model, train_data.path, run_dir / "checkpoints", run_id)
         checkpoint = train(run_config, str(run_dir), timeout_s=config.timeout_minutes * 60)
+        if checkpoint is None:  # a multi-machine run: the machine with global rank 0 evaluates and registers
+            finish_tracking(run_id)
+            return {"summary": "training finished; the machine that held global rank 0 evaluates and registers",
+                    "run_id": run_id, "checkpoint": None, "family": model.family}
         reports = evaluate(model, checkpoint, eval_data, prompts, str(run_dir), config.mixed_precision,
                            config.max_new_tokens, run_id)
         registration = register(checkpoint, config.model_name(), run_id, reports["trained"]["eval_loss"])

@@ -1,10 +1,15 @@
-"""The worker launcher: errors carry the worker's own message; timeouts kill the whole process group."""
+"""The worker launcher: errors carry the worker's own message; timeouts kill the whole process group;
+several machines meet at a c10d rendezvous."""
+import socket
 import sys
+import threading
 import time
 
 import pytest
 
-from twinkle_core.launch import WorkerError, run_streaming, torchrun_command
+from twinkle_core.launch import (WorkerError, cpu_threads_env, run_streaming, torchrun_command,
+                                 torchrun_command_for)
+from twinkle_core.parallel import ParallelConfig
 
 
 def test_output_is_streamed_line_by_line():
@@ -49,8 +54,91 @@ def test_torchrun_command_shapes():
     single = torchrun_command("twinkle_core.train", ["cfg.json"], nproc_per_node=2)
     assert single[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node=2"]
     assert "--standalone" in single and single[-3:] == ["-m", "twinkle_core.train", "cfg.json"]
-    multi = torchrun_command("twinkle_core.train", ["cfg.json"], 8, rdzv_endpoint="head:29500", nnodes=2)
-    assert "--rdzv-endpoint=head:29500" in multi and "--nnodes=2" in multi and "--standalone" not in multi
+    assert not any(arg.startswith(("--nnodes", "--rdzv")) for arg in single)
+
+
+def test_multi_node_command_names_every_rendezvous_setting():
+    parallel = ParallelConfig(nproc_per_node=8, nnodes=2, node_rank=1, rdzv_endpoint="head:29500",
+                              rdzv_id="run-7", max_restarts=3)
+    cmd = torchrun_command_for(parallel, "twinkle_core.train", ["cfg.json"])
+    assert cmd[3:-3] == ["--nproc-per-node=8", "--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d",
+                         "--rdzv-endpoint=head:29500", "--rdzv-id=run-7", "--max-restarts=3"]
+    assert cmd[-3:] == ["-m", "twinkle_core.train", "cfg.json"] and "--standalone" not in cmd
+    assert parallel.world_size() == 16
+
+
+@pytest.mark.parametrize("settings,words", [
+    (dict(nnodes=2), ["nnodes=2", "rdzv_endpoint", "HOST:PORT"]),
+    (dict(nnodes=2, node_rank=2, rdzv_endpoint="head:29500"), ["node_rank=2", "nnodes=2", "from 0 to 1"]),
+    (dict(nnodes=2, rdzv_endpoint="head"), ["rdzv_endpoint='head'", "HOST:PORT"]),
+    (dict(nnodes=2, rdzv_endpoint="head:99999"), ["rdzv_endpoint='head:99999'", "HOST:PORT"]),
+    (dict(max_restarts=-1), ["max_restarts", "greater than or equal to 0"]),
+])
+def test_wrong_multi_node_settings_fail_before_launch(settings, words):
+    with pytest.raises(ValueError) as err:
+        ParallelConfig(**settings)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_the_command_itself_rejects_a_second_node_without_a_rendezvous():
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        torchrun_command("twinkle_core.train", [], nproc_per_node=1, nnodes=2)
+
+
+def test_cpu_workers_share_the_cores_unless_told(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert cpu_threads_env(nproc_per_node=2) == {"OMP_NUM_THREADS": "8"}
+    assert cpu_threads_env(nproc_per_node=32) == {"OMP_NUM_THREADS": "1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads_env(nproc_per_node=2) == {}
+
+
+ALLREDUCE_WORKER = """
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: sum {value.item():.0f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_two_machines_on_localhost_meet_at_a_c10d_rendezvous(tmp_path):
+    """Two torchrun agents (--nnodes 2), one worker each, all-reduce over gloo: 1 + 2 = 3 on both."""
+    (tmp_path / "allreduce_worker.py").write_text(ALLREDUCE_WORKER)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    lines: dict[int, list[str]] = {0: [], 1: []}
+    errors: dict[int, BaseException] = {}
+
+    def agent(node_rank: int) -> None:
+        parallel = ParallelConfig(nnodes=2, node_rank=node_rank, rdzv_endpoint=endpoint, rdzv_id="localhost-test")
+        try:
+            run_streaming(torchrun_command_for(parallel, "allreduce_worker", []), lines[node_rank].append,
+                          timeout_s=120, env={"PYTHONPATH": str(tmp_path)})
+        except BaseException as err:  # reported below, from the test's thread
+            errors[node_rank] = err
+
+    agents = [threading.Thread(target=agent, args=(rank,)) for rank in (0, 1)]
+    for thread in agents:
+        thread.start()
+    for thread in agents:
+        thread.join()
+    assert not errors, errors
+    results = {node: [line for line in lines[node] if ": sum" in line] for node in (0, 1)}
+    assert all(len(found) == 1 for found in results.values()), lines  # one worker per agent
+    assert sorted(results[0] + results[1]) == ["rank 0 of 2: sum 3", "rank 1 of 2: sum 3"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def test_torchrun_failures_report_the_worker_error_not_the_launcher(tmp_path):

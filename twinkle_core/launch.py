@@ -16,20 +16,49 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Sequence
 
+from twinkle_core.parallel.config import ParallelConfig, check_launch
+
 
 class WorkerError(RuntimeError):
     """A worker process failed; the message carries the worker's own error."""
 
 
-def torchrun_command(module: str, args: Sequence[str], nproc_per_node: int = 1,
-                     rdzv_endpoint: str | None = None, nnodes: int = 1) -> list[str]:
-    """`python -m torch.distributed.run` for one machine (--standalone) or several (c10d rendezvous)."""
+def torchrun_command(module: str, args: Sequence[str], nproc_per_node: int = 1, rdzv_endpoint: str | None = None,
+                     nnodes: int = 1, node_rank: int = 0, rdzv_id: str = "twinkle", max_restarts: int = 0) -> list[str]:
+    """`python -m torch.distributed.run` for one machine (--standalone) or several (c10d rendezvous).
+
+    With an endpoint, every machine runs this same command except for `node_rank`; the agents meet at the
+    endpoint under `rdzv_id` and start nnodes × nproc_per_node workers. Nothing device-specific is set:
+    the workers pick gloo on CPU and nccl on GPU themselves.
+    """
+    check_launch(nnodes, node_rank, rdzv_endpoint)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
     if rdzv_endpoint:
-        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
     else:
         cmd += ["--standalone"]
-    return cmd + ["-m", module, *args]
+    return cmd + [f"--max-restarts={max_restarts}", "-m", module, *args]
+
+
+def torchrun_command_for(parallel: ParallelConfig, module: str, args: Sequence[str]) -> list[str]:
+    """The torchrun command that starts this machine's share of a run laid out by `parallel`."""
+    return torchrun_command(module, args, parallel.nproc_per_node, parallel.rdzv_endpoint, parallel.nnodes,
+                            parallel.node_rank, parallel.rdzv_id, parallel.max_restarts)
+
+
+def cpu_threads_env(nproc_per_node: int) -> dict[str, str]:
+    """OMP_NUM_THREADS for CPU workers: this machine's cores shared out among them.
+
+    torchrun gives each worker 1 thread when there are several (right for GPU workers); CPU workers would
+    then leave most cores idle. A value the user set is kept, and GPU machines get nothing.
+    """
+    import torch
+
+    if "OMP_NUM_THREADS" in os.environ or torch.cuda.is_available():
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"OMP_NUM_THREADS": str(max(1, cores // nproc_per_node))}
 
 
 def _pump(stream, lines: queue.Queue) -> None:

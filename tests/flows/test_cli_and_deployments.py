@@ -31,7 +31,7 @@ def test_defaults_then_file_then_flags(tmp_path):
 
 @pytest.mark.parametrize("argv,words", [
     (["--mixed-precision", "fp8"], ["fp8", "Transformer Engine", "bf16"]),
-    (["--nproc-per-node", "2"], ["nproc_per_node=2", "one process"]),
+    (["--nproc-per-node", "2", "--dp-size", "3"], ["dp_size=3", "dp_size=2 would fit"]),
     (["--lr", "-1"], ["lr", "greater than 0"]),
     (["--strategy", "deepspeed"], ["strategy", "accelerate", "native_fsdp"]),
 ])
@@ -57,3 +57,29 @@ def test_deployment_presets_are_valid_flow_parameters():
     for deployment in deployments.values():
         SFTConfig.model_validate(deployment.parameters["config"])
     assert deployments["nightly"].schedules[0].schedule.cron == "0 2 * * *"
+
+
+def test_multi_machine_flags_reach_the_parallel_config():
+    from flows.cli import build_parser
+
+    help_text = build_parser(SFTConfig, "d").format_help()
+    for flag in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts"):
+        assert flag in help_text
+    config = parse_config(SFTConfig, ["--rdzv-endpoint", "10.0.0.1:29500", "--rdzv-id", "run-7",
+                                      "--max-restarts", "2"], "d")
+    parallel = config.parallel()
+    assert (parallel.nnodes, parallel.node_rank, parallel.rdzv_endpoint, parallel.rdzv_id, parallel.max_restarts) == (
+        1, 0, "10.0.0.1:29500", "run-7", 2)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--nnodes", "2"], ["nnodes=2", "rdzv_endpoint", "HOST:PORT"]),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "head:29500"], ["node_rank=2", "from 0 to 1"]),
+    (["--rdzv-endpoint", "head"], ["rdzv_endpoint='head'", "HOST:PORT"]),
+    (["--max-restarts", "-1"], ["max_restarts", "greater than or equal to 0"]),
+])
+def test_wrong_multi_machine_flags_fail_before_anything_runs(argv, words):
+    with pytest.raises(SystemExit) as err:
+        parse_config(SFTConfig, argv, "d")
+    for word in words:
+        assert word in str(err.value)

@@ -140,9 +140,10 @@ def test_unsupported_settings_fail_before_loading(tiny_model_dir, kwargs, words)
         assert word in str(err.value)
 
 
-def test_multi_process_settings_are_rejected_with_the_fix(tiny_model_dir, monkeypatch):
+def test_a_world_size_without_torchrun_says_how_to_launch(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="WORLD_SIZE=2.*one process"):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2.*torchrun"):
         TransformersModel(str(tiny_model_dir))
 
 

@@ -1,6 +1,8 @@
 """Save and load what TransformersModel trains: a PEFT adapter directory or a full checkpoint.
 
-Both are written under a temporary name and renamed when complete.
+Both are written under a temporary name and renamed when complete. A model sharded or replicated over
+several processes is saved in the same single-process format: `gather_full_state_dict` collects the
+unsharded weights on rank 0 (all ranks take part), and rank 0 writes them with `save_checkpoint`.
 """
 from __future__ import annotations
 
@@ -18,18 +20,36 @@ logger = logging.getLogger(__name__)
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def save_checkpoint(model: torch.nn.Module, tokenizer: Any, target: Path, adapter_name: str | None) -> Path:
+def gather_full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """Unsharded CPU copies of the weights on rank 0 (an empty dict elsewhere); every rank must call it.
+
+    `trainable_only` (adapters): the frozen base weights are neither gathered nor written. A parameter
+    shared by two modules (tied embeddings) is kept under its first name only, as one process saves it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    state = get_model_state_dict(model, options=options)
+    params = dict(model.named_parameters())
+    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(params)
+    keep = {name for name, p in params.items() if p.requires_grad} if trainable_only else None
+    return {k: v for k, v in state.items() if k not in aliases and (keep is None or k in keep)}
+
+
+def save_checkpoint(model: torch.nn.Module, tokenizer: Any, target: Path, adapter_name: str | None,
+                    state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write `target`; `state_dict` (from gather_full_state_dict) replaces the model's own weights."""
     with atomic_dir(target) as tmp:
         if adapter_name is not None:
             # A plain PEFT directory (adapter_config.json + adapter_model.safetensors) for this adapter.
-            model.save_pretrained(tmp, selected_adapters=[adapter_name])
+            model.save_pretrained(tmp, selected_adapters=[adapter_name], state_dict=state_dict)
             nested = tmp / adapter_name
             if nested.is_dir():  # PEFT nests non-default adapter names; keep one flat directory
                 for item in nested.iterdir():
                     item.rename(tmp / item.name)
                 nested.rmdir()
         else:
-            model.save_pretrained(tmp, safe_serialization=True)
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
     logger.info("saved %s to %s", "adapter " + adapter_name if adapter_name else "full model", target)
     return target

@@ -117,3 +117,26 @@ def causal_lm_loss_sum(
     aux = func(outputs.router_logits, num_experts, top_k, mask if mask is not None and mask.dim() == 2 else None)
     aux = aux.to(loss_sum.device, loss_sum.dtype)
     return LossParts(loss_sum + coef * aux * num_tokens, num_tokens, aux.detach())
+
+
+class LossModule(torch.nn.Module):
+    """The training loss as one module call, so parallel wrappers see the whole computation.
+
+    `causal_lm_loss_sum` runs the decoder and the output layer separately (to skip untrained positions);
+    called through this module, DDP still prepares its gradient reduction and FSDP's root unit still
+    gathers the parameters it owns (embeddings, final norm, output layer) around it. The embedding
+    getters let Accelerate's FSDP2 layout find the model's embedding and output layers.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict[str, torch.Tensor], router_aux_loss_coef: float | None = None) -> LossParts:
+        return causal_lm_loss_sum(self.model, batch, router_aux_loss_coef)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()

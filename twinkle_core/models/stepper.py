@@ -3,6 +3,11 @@
 Accumulation is exact: micro-batches add up *summed* token losses and their token counts, and the
 gradients are divided by the total number of trained tokens just before the step. N micro-batches thus
 give the same update as one batch of the same tokens (normalised by tokens, not by micro-batches).
+
+Across data-parallel ranks the same holds: the token counts and summed losses are added up over the
+ranks, and the gradients (which DDP/FSDP average over `grad_average_size` ranks) are multiplied by
+grad_average_size / global_tokens (see twinkle_core.parallel.strategy). The reported loss, aux_loss and
+trained_tokens are those of the whole global batch; tokens_per_s is this rank's.
 """
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from twinkle_core.parallel.strategy import SingleProcess
 
 
 @dataclass
@@ -30,6 +37,7 @@ class Stepper:
     gradient_accumulation_steps: int = 1
     scaler: torch.amp.GradScaler | None = None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    parallel: SingleProcess = field(default_factory=SingleProcess)  # how ranks combine (identity in one process)
     step: int = 0
     last: StepMetrics | None = None
     _micro: int = 0
@@ -48,7 +56,7 @@ class Stepper:
         self, loss_sum: torch.Tensor, trained_tokens: int, seen_tokens: int, aux_loss: torch.Tensor | None = None
     ) -> None:
         """Back-propagate one micro-batch's summed loss and remember its token counts (and router aux loss)."""
-        (self.scaler.scale(loss_sum) if self.scaler else loss_sum).backward()
+        self.parallel.backward(self.scaler.scale(loss_sum) if self.scaler else loss_sum)
         self._micro += 1
         self._loss_sum += float(loss_sum.detach())
         self._tokens += trained_tokens
@@ -59,14 +67,19 @@ class Stepper:
     def is_accumulation_boundary(self) -> bool:
         return self._micro >= self.gradient_accumulation_steps
 
+    def is_last_micro_batch(self) -> bool:
+        """The next micro-batch completes the step (data-parallel strategies exchange gradients then)."""
+        return self._micro + 1 >= self.gradient_accumulation_steps
+
     def clip_and_step(self, max_grad_norm: float | None) -> StepMetrics:
-        """Normalise by tokens, clip, step the optimizer and scheduler, and record the metrics."""
+        """Normalise by the step's global tokens, clip, step the optimizer and scheduler, record the metrics."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        scale = 1.0 / max(1, self._tokens)
+        loss_sum, tokens, aux_sum = self.parallel.all_reduce_sum([self._loss_sum, self._tokens, self._aux_sum or 0.0])
+        tokens = int(tokens)
         grads = [p.grad for p in self.parameters if p.grad is not None]
-        torch._foreach_mul_(grads, scale)
-        norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_grad_norm or float("inf"))
+        torch._foreach_mul_(grads, self.parallel.grad_average_size / max(1, tokens))
+        norm = self.parallel.clip_grad_norm_(self.parameters, max_grad_norm or float("inf"))
         lr = self.optimizer.param_groups[0]["lr"]
         if self.scaler:
             self.scaler.step(self.optimizer)
@@ -80,12 +93,12 @@ class Stepper:
         self.step += 1
         self.last = StepMetrics(
             step=self.step,
-            loss=self._loss_sum / max(1, self._tokens),
-            grad_norm=float(norm),
+            loss=loss_sum / max(1, tokens),
+            grad_norm=norm,
             lr=lr,
             tokens_per_s=self._seen_tokens / elapsed if elapsed > 0 else 0.0,
-            trained_tokens=self._tokens,
-            aux_loss=None if self._aux_sum is None else self._aux_sum / max(1, self._tokens),
+            trained_tokens=tokens,
+            aux_loss=None if self._aux_sum is None else aux_sum / max(1, tokens),
         )
         self._reset()
         return self.last

@@ -9,11 +9,15 @@
         model.clip_grad_and_step(max_grad_norm=1.0)  # steps at the accumulation boundary
     model.save("default", "out/")
 
-`forward_backward` takes the batch of this process (in one process: the global batch).
+Under torchrun (WORLD_SIZE > 1) the model joins the process group (gloo on CPU, nccl on GPU) and trains
+with the strategy the mesh implies (twinkle_core.parallel): DDP, FSDP via Accelerate, or native FSDP.
+`forward_backward` and `forward_only` take this process's LOCAL batch (its share of the global batch, see
+twinkle_core.parallel.local_rows); losses, metrics and the update are those of the global batch.
 """
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +29,13 @@ from twinkle_core.data import ensure_chat_template
 from twinkle_core.families import family_for_model_dir, get_family
 from twinkle_core.hub import resolve_model
 from twinkle_core.models.batches import count_input_tokens, to_batch
-from twinkle_core.models.checkpoint import load_checkpoint, save_checkpoint
-from twinkle_core.models.loss import causal_lm_loss_sum, resolve_router_aux_loss_coef
+from twinkle_core.models.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
+from twinkle_core.models.loss import LossModule, resolve_router_aux_loss_coef
 from twinkle_core.models.schedulers import build_scheduler
 from twinkle_core.models.stepper import Stepper
-from twinkle_core.parallel import ParallelConfig, check_single_process, parse_strategy
+from twinkle_core.parallel import DeviceMesh, build_strategy, close_distributed, is_main_process, parse_strategy
+from twinkle_core.parallel.mesh import validate_mesh_sizes
+from twinkle_core.parallel.process_group import barrier
 from twinkle_core.precision import resolve_precision
 from twinkle_core.precision.fp8 import convert_linears_to_fp8
 
@@ -37,11 +43,29 @@ logger = logging.getLogger(__name__)
 
 
 def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _resolve_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The caller's mesh, or under torchrun (WORLD_SIZE > 1) FSDP over every process."""
+    if device_mesh is not None:
+        if not isinstance(device_mesh, DeviceMesh):
+            raise ValueError(f"device_mesh: expected a twinkle_core.parallel.DeviceMesh (DeviceMesh.from_sizes(...)), "
+                             f"got {type(device_mesh).__name__}.")
+        return device_mesh
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return DeviceMesh.from_sizes(fsdp_size=world_size) if world_size > 1 else None
 
 
 class TransformersModel:
-    """A causal LM from a model id (ms://, hf://, pkg://, local path) with training verbs."""
+    """A causal LM from a model id (ms://, hf://, pkg://, local path) with training verbs.
+
+    Several processes: pass `device_mesh=DeviceMesh.from_sizes(...)` (or none: FSDP over all of them);
+    `strategy` picks who manages FSDP ('accelerate' or 'native_fsdp'); dp_size alone means DDP. The model is
+    wrapped/sharded in `set_optimizer`, so add the adapter and load checkpoints before it. `forward_backward`
+    and `forward_only` take this rank's local batch; `calculate_metric` and `save` are collective: every
+    rank calls them (rank 0 writes the checkpoint, in the single-process format).
+    """
 
     def __init__(
         self,
@@ -55,12 +79,10 @@ class TransformersModel:
         **from_pretrained_kwargs: Any,
     ):
         """`router_aux_loss_coef`: weight of the MoE router load-balancing loss (None: the config's, 0: off)."""
+        strategy = parse_strategy(strategy)
+        self.mesh = _resolve_mesh(device_mesh)  # joins the process group first: it picks this rank's GPU
         self.device = _default_device()
         self.precision = resolve_precision(mixed_precision, self.device.type)
-        parallel = ParallelConfig(strategy=parse_strategy(strategy))
-        if device_mesh is not None and getattr(device_mesh, "size", lambda: 1)() != 1:
-            raise ValueError("device_mesh: multi-process meshes are not supported in this release; pass None.")
-        check_single_process(parallel)
         self.model_id = model_id
         self.path = resolve_model(model_id).path
         # Unsupported model_types fail here; `family` settles checkpoints that share an architecture (Yi/Llama).
@@ -73,6 +95,10 @@ class TransformersModel:
         if self.precision.fp8_linears:
             convert_linears_to_fp8(self.model)
         self.router_aux_loss_coef = resolve_router_aux_loss_coef(self.model, router_aux_loss_coef)
+        if self.mesh is not None:
+            validate_mesh_sizes(self.mesh.sizes, self.mesh.size(), self.model.config)
+        self.parallel = build_strategy(strategy, self.mesh, self.precision)
+        self._runner: torch.nn.Module | None = None  # the loss module as a multi-process strategy wrapped it
         self.adapter_name: str | None = None
         self.gradient_accumulation_steps = 1
         self.stepper: Stepper | None = None
@@ -87,6 +113,7 @@ class TransformersModel:
                 f"adapter {self.adapter_name!r} is already on this model; TransformersModel trains one adapter "
                 "(use MultiLoraTransformersModel for several)."
             )
+        self._check_not_wrapped("add_adapter_to_model")
         if config.target_modules is None:
             config.target_modules = self.family.lora_target_modules
         if config.exclude_modules is None and self.family.lora_exclude_modules:
@@ -106,6 +133,15 @@ class TransformersModel:
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.parallel.data_parallel_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that train on different shares of each global batch (1 in one process)."""
+        return self.parallel.data_parallel_size
+
     # ----- optimisation ----------------------------------------------------------------------------
     def set_optimizer(
         self, optimizer_cls: str | type = "AdamW", lr: float = 1e-4, gradient_accumulation_steps: int | None = None, **kw
@@ -117,9 +153,13 @@ class TransformersModel:
             optimizer_cls = getattr(torch.optim, optimizer_cls)
         if gradient_accumulation_steps is not None:
             self.gradient_accumulation_steps = _check_accumulation(gradient_accumulation_steps)
-        params = self.trainable_parameters()
-        scaler = torch.amp.GradScaler(self.device.type) if self.precision.uses_grad_scaler else None
-        self.stepper = Stepper(params, optimizer_cls(params, lr=lr, **kw), self.gradient_accumulation_steps, scaler)
+        # The strategy wraps or shards the model first where the optimizer must see the sharded parameters.
+        runner, optimizer = self.parallel.prepare(self._loss_module(), lambda params: optimizer_cls(params, lr=lr, **kw))
+        if self.parallel.is_distributed:  # one process keeps following self.model (adapters may still change)
+            self._runner = runner
+        scaler = self.parallel.grad_scaler(self.device.type) if self.precision.uses_grad_scaler else None
+        self.stepper = Stepper(self.trainable_parameters(), optimizer, self.gradient_accumulation_steps, scaler,
+                               parallel=self.parallel)
 
     def set_lr_scheduler(
         self, scheduler_cls: str = "CosineWarmupScheduler", num_warmup_steps: int = 0, num_training_steps: int = 1
@@ -128,14 +168,16 @@ class TransformersModel:
         stepper.scheduler = build_scheduler(stepper.optimizer, scheduler_cls, num_warmup_steps, num_training_steps)
 
     def forward_backward(self, inputs: list[dict] | dict) -> float:
-        """Forward and backward one micro-batch; return its mean token loss."""
+        """Forward and backward one local micro-batch; return its mean token loss (this rank's share)."""
         stepper = self._require_optimizer("forward_backward")
         self.model.train()
         batch = self._batch(inputs)
         stepper.start_micro_batch()
-        with self.precision.autocast(self.device.type):
-            parts = causal_lm_loss_sum(self.model, batch, self.router_aux_loss_coef)
-        stepper.backward(parts.loss_sum, parts.num_tokens, count_input_tokens(batch), parts.aux_loss)
+        runner = self._loss_module()
+        with self.parallel.gradient_sync(runner, enabled=stepper.is_last_micro_batch()):
+            with self.precision.autocast(self.device.type):
+                parts = runner(batch, self.router_aux_loss_coef)
+            stepper.backward(parts.loss_sum, parts.num_tokens, count_input_tokens(batch), parts.aux_loss)
         return float(parts.loss_sum.detach()) / max(1, parts.num_tokens)
 
     def clip_grad_and_step(self, max_grad_norm: float | None = 1.0) -> bool:
@@ -153,7 +195,7 @@ class TransformersModel:
         batch = self._batch(inputs)
         with self.precision.autocast(self.device.type):
             # Cross-entropy only (coefficient 0): the held-out loss and perplexity exclude the router aux loss.
-            parts = causal_lm_loss_sum(self.model, batch, router_aux_loss_coef=0.0)
+            parts = self._loss_module()(batch, 0.0)
         self._eval[0] += float(parts.loss_sum)
         self._eval[1] += parts.num_tokens
         return float(parts.loss_sum) / max(1, parts.num_tokens)
@@ -161,10 +203,11 @@ class TransformersModel:
     def calculate_metric(self, is_training: bool = True) -> dict[str, float]:
         """Training: the last step's loss, grad_norm, lr, tokens_per_s (+ aux_loss for MoE with a router loss).
 
-        Eval: loss and perplexity so far.
+        Eval: loss and perplexity so far, over every data-parallel rank's forward_only batches.
         """
         if not is_training:
-            loss_sum, tokens = self._eval
+            loss_sum, tokens = self.parallel.all_reduce_sum(self._eval)
+            tokens = int(tokens)
             self._eval = [0.0, 0]
             loss = loss_sum / max(1, tokens)
             return {"loss": loss, "perplexity": float(torch.exp(torch.tensor(loss))), "tokens": tokens}
@@ -183,6 +226,9 @@ class TransformersModel:
         """Greedy answer to one conversation, rendered with the model's chat template."""
         from twinkle_core.data import encode_prompt
 
+        if self.parallel.is_sharded and self._runner is not None:
+            raise RuntimeError(f"generate needs the whole model, but it is sharded over {self.mesh.size()} processes "
+                               f"({self.parallel.name}); save() it and generate in one process.")
         self.model.eval()
         ids = torch.tensor([encode_prompt(self.tokenizer, messages)], device=self.device)
         with self.precision.autocast(self.device.type):
@@ -194,17 +240,42 @@ class TransformersModel:
 
     # ----- checkpoints -----------------------------------------------------------------------------
     def save(self, name: str, output_dir: str | Path) -> Path:
-        """Save `output_dir/name`: a PEFT adapter directory, or full safetensors + config + tokenizer."""
-        return save_checkpoint(self.model, self.tokenizer, Path(output_dir) / name, self.adapter_name)
+        """Save `output_dir/name`: a PEFT adapter directory, or full safetensors + config + tokenizer.
+
+        Several processes: every rank calls it; the full weights are gathered on rank 0, which writes the
+        same directory one process would (it loads in one process).
+        """
+        target = Path(output_dir) / name
+        if not self.parallel.is_distributed:
+            return save_checkpoint(self.model, self.tokenizer, target, self.adapter_name)
+        state = gather_full_state_dict(self.model, trainable_only=self.adapter_name is not None)
+        if is_main_process():
+            save_checkpoint(self.model, self.tokenizer, target, self.adapter_name, state_dict=state)
+        barrier()  # no rank returns before the checkpoint exists
+        return target
 
     def load(self, name: str, output_dir: str | Path) -> None:
-        """Load an adapter or a full checkpoint written by `save`."""
+        """Load an adapter or a full checkpoint written by `save` (several processes: before set_optimizer)."""
+        self._check_not_wrapped("load")
         self.model, adapter = load_checkpoint(self.model, Path(output_dir) / name, name, self.adapter_name)
         if adapter and self.adapter_name is None:
             self.adapter_name = adapter
             self._apply_storage_dtypes()
 
+    def close(self) -> None:
+        """Leave the process group (end of a worker); nothing to do in one process."""
+        close_distributed()
+
     # ----- helpers ---------------------------------------------------------------------------------
+    def _loss_module(self) -> torch.nn.Module:
+        """The loss as one module call: wrapped by the strategy once set_optimizer ran in several processes."""
+        return self._runner or LossModule(self.model)
+
+    def _check_not_wrapped(self, verb: str) -> None:
+        if self.parallel.is_distributed and self._runner is not None:
+            raise RuntimeError(f"{verb}: the model is already wrapped for {self.parallel.name} by set_optimizer(); "
+                               f"in a multi-process run call {verb} before set_optimizer.")
+
     def _batch(self, inputs: list[dict] | dict) -> dict[str, torch.Tensor]:
         return to_batch(inputs, self.tokenizer, self.device, self.max_length)
 

@@ -3,7 +3,11 @@
     python -m torch.distributed.run --standalone --nproc-per-node 1 -m twinkle_core.train run.json
 
 setup → train → save_checkpoint → cleanup. Progress goes to stdout as `TWINKLE_EVENT {json}` lines
-(the train task turns them into Prefect progress) and metrics to MLflow.
+(the train task turns them into Prefect progress) and metrics to MLflow, both from rank 0 only.
+
+Several processes: the mesh comes from `parallel` (twinkle_core.parallel). Every rank walks the same
+seeded order and cuts the same global micro-batches of `batch_size` rows; each data-parallel rank trains
+on its share (`local_rows`), so the steps, losses and weights are those of one process.
 """
 from __future__ import annotations
 
@@ -15,10 +19,13 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from twinkle_core.data import collate, load_tokenized
 from twinkle_core.entry import worker_config_path
 from twinkle_core.models import TransformersModel
+from twinkle_core.parallel import DeviceMesh, check_implemented, is_main_process, local_rows, world_size_from_env
+from twinkle_core.perf import StepPerf
 from twinkle_core.tracking import MetricsLogger
 from twinkle_core.train.config import TrainRunConfig
 
@@ -27,7 +34,9 @@ EVENT_PREFIX = "TWINKLE_EVENT "
 
 
 def emit(event: str, **fields) -> None:
-    """One machine-readable progress line on stdout."""
+    """One machine-readable progress line on stdout (rank 0: the ranks agree on every number)."""
+    if not is_main_process():
+        return
     print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)
 
 
@@ -44,7 +53,7 @@ class SFTRecipe:
             raise ValueError(f"train_data {cfg.train_data} holds no examples.")
         self.model = TransformersModel(
             str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=cfg.parallel.strategy.value,
-            router_aux_loss_coef=cfg.router_aux_loss_coef, family=cfg.family,
+            device_mesh=self._mesh(), router_aux_loss_coef=cfg.router_aux_loss_coef, family=cfg.family,
         )
         self.mask_dtype = self.model.precision.compute_dtype  # packed 4-D masks must match sdpa's dtype
         self.pad_id = self.model.tokenizer.pad_token_id
@@ -57,9 +66,22 @@ class SFTRecipe:
         self.total_steps = self._count_steps()
         self.model.set_lr_scheduler(cfg.scheduler, num_warmup_steps=int(cfg.warmup_ratio * self.total_steps),
                                     num_training_steps=self.total_steps)
-        self.metrics = MetricsLogger(cfg.tracking_uri, cfg.mlflow_run_id)
+        self.metrics = MetricsLogger(cfg.tracking_uri, cfg.mlflow_run_id if is_main_process() else None)
         trainable = sum(p.numel() for p in self.model.trainable_parameters())
         emit("setup", examples=len(self.examples), total_steps=self.total_steps, trainable_params=trainable)
+        # Read from disk: a DDP/FSDP wrapper hides the model's config.
+        seq_len = round(sum(len(row["input_ids"]) for row in self.examples) / len(self.examples))
+        self.perf = StepPerf(AutoConfig.from_pretrained(cfg.model_path), seq_len, self.model.device,
+                             world_size_from_env(), self.model.precision.compute_dtype,
+                             lora_params=trainable if cfg.use_lora else None,
+                             data_parallel_size=self.model.data_parallel_size)
+        emit("perf", **self.perf.describe())
+
+    def _mesh(self) -> DeviceMesh | None:
+        """The layout `parallel` describes for the processes torchrun started (None for one process)."""
+        parallel, world_size = self.config.parallel, world_size_from_env()
+        check_implemented(parallel.mesh_sizes(world_size), parallel.pp_size, parallel.sequence_parallel)
+        return DeviceMesh.from_sizes(**parallel.mesh_sizes(world_size)) if world_size > 1 else None
 
     def _count_steps(self) -> int:
         cfg = self.config
@@ -68,14 +90,18 @@ class SFTRecipe:
         return cfg.max_steps or steps
 
     def _batches(self):
-        """Micro-batches: a fresh seeded shuffle each epoch, forever (the step count ends the loop)."""
+        """This rank's micro-batches: a fresh seeded shuffle each epoch, forever (the step count ends the loop).
+
+        `batch_size` rows make one global micro-batch; each data-parallel rank collates its share of it.
+        """
         order_rng = random.Random(self.config.seed)
+        rank, world = self.model.data_parallel_rank, self.model.data_parallel_size
         while True:
             order = list(range(len(self.examples)))
             order_rng.shuffle(order)
             for start in range(0, len(order), self.config.batch_size):
                 chunk = [self.examples[i] for i in order[start:start + self.config.batch_size]]
-                yield collate(chunk, pad_token_id=self.pad_id, mask_dtype=self.mask_dtype)
+                yield collate(local_rows(chunk, rank, world), pad_token_id=self.pad_id, mask_dtype=self.mask_dtype)
 
     def train(self) -> None:
         cfg, step, started = self.config, 0, time.perf_counter()
@@ -87,9 +113,11 @@ class SFTRecipe:
             step += 1
             metrics = self.model.calculate_metric(is_training=True)
             metrics.pop("step", None)
+            metrics.update(self.perf.metrics(metrics["tokens_per_s"]))
             self.metrics.log(metrics, step)
             if step % cfg.log_every == 0 or step == self.total_steps:
-                emit("step", step=step, total=self.total_steps, **{k: round(v, 6) for k, v in metrics.items()})
+                emit("step", step=step, total=self.total_steps, world_size=world_size_from_env(),
+                     **{k: round(v, 6) for k, v in metrics.items()})
         self.train_seconds = time.perf_counter() - started
 
     def probe_batch(self) -> dict:
@@ -106,6 +134,7 @@ class SFTRecipe:
 
     def cleanup(self) -> None:
         self.metrics.flush()
+        self.model.close()
 
 
 def main(argv: list[str] | None = None) -> int:

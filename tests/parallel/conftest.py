@@ -1,0 +1,142 @@
+"""Multi-process fixtures: tiny models, tokenized chats, and the training runs that the tests compare.
+
+Each named run (RUNS) starts `train_worker` once per session, at 1 process with plain `python -m` (the real
+single-process path) or under torchrun, and the tests read its per-step metrics, shard sizes and weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from family_models import save_tiny_family_model
+from tiny_models import CHATML_TEMPLATE, save_tiny_model
+from twinkle_core.data import tokenize_dataset
+from twinkle_core.launch import run_streaming, torchrun_command
+from twinkle_core.train import TrainRunConfig
+from twinkle_core.train.recipe import EVENT_PREFIX
+
+TESTS = Path(__file__).resolve().parents[1]
+WORKER_PATH = os.pathsep.join([str(TESTS / "parallel"), str(TESTS), str(TESTS.parent)])
+RUN_TIMEOUT_S = 240
+# 13 conversations of different lengths: with batch_size 3 the last micro-batch of the epoch has 1 row.
+CHATS = [("Who are you?", "I am Twinkle, built by the Twinkle Flows team."), ("Name?", "Twinkle."),
+         ("Who made you?", "The Twinkle Flows team made me."), ("hi", "Hello! I am Twinkle."),
+         ("What can you do?", "I answer questions about Twinkle Flows."), ("Where is Paris?", "In France."),
+         ("What is the capital of France?", "The capital of France is Paris."), ("thanks", "You are welcome!"),
+         ("Are you a model?", "Yes, a language model called Twinkle."), ("2+2?", "4."),
+         ("Tell me about yourself.", "I am Twinkle, a helpful assistant built by the Twinkle Flows team."),
+         ("Who trained you?", "The Twinkle Flows team trained me."), ("bye", "Goodbye!")]
+
+# name: (processes, model, settings). lr 1e-3: see test_parallel_equivalence's docstring.
+RUNS: dict[str, tuple[int, str, dict]] = {
+    "single": (1, "llama", {}),
+    "ddp": (2, "llama", dict(parallel=dict(dp_size=2))),
+    "native_fsdp": (2, "llama", dict(parallel=dict(strategy="native_fsdp"))),
+    "accelerate_fsdp": (2, "llama", dict(parallel=dict(strategy="accelerate"))),
+    "hsdp": (4, "llama", dict(parallel=dict(strategy="native_fsdp", dp_size=2, fsdp_size=2))),
+    "single_lora": (1, "llama", dict(use_lora=True)),
+    "accelerate_fsdp_lora": (2, "llama", dict(use_lora=True)),
+    "single_bf16_lora": (1, "llama", dict(use_lora=True, mixed_precision="bf16")),
+    "native_fsdp_bf16_lora": (2, "llama", dict(use_lora=True, mixed_precision="bf16",
+                                               parallel=dict(strategy="native_fsdp"))),
+    # Router aux loss off and SGD: see test_moe_under_ddp_matches_one_process.
+    "single_moe": (1, "moe", dict(router_aux_loss_coef=0.0, optimizer="SGD", lr=0.1)),
+    "ddp_moe": (2, "moe", dict(router_aux_loss_coef=0.0, optimizer="SGD", lr=0.1, parallel=dict(dp_size=2))),
+}
+
+
+@dataclass
+class Run:
+    """What one training run left behind."""
+
+    result: dict
+    weights: dict
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def losses(self) -> list[float]:
+        return [step["loss"] for step in self.result["steps"]]
+
+    def event(self, name: str) -> dict:
+        return next(e for e in self.events if e["event"] == name)
+
+
+class Workspace:
+    def __init__(self, root: Path):
+        self.root = root
+        data = root / "train.jsonl"
+        data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                         {"role": "assistant", "content": a}]}) + "\n"
+                                for q, a in CHATS))
+        self.models = {
+            "llama": (save_tiny_model(root / "llama"), "llama3"),
+            "moe": (save_tiny_family_model("qwen3_5", root / "moe", "moe", tokenizer_chat_template=CHATML_TEMPLATE),
+                    "qwen3_5"),
+        }
+        self.data = {name: tokenize_dataset(data, path, kind="chat", max_length=128).path
+                     for name, (path, _) in self.models.items()}
+        self._runs: dict[str, Run] = {}
+
+    def env(self) -> dict[str, str]:
+        return {"PYTHONPATH": WORKER_PATH, "TWINKLE_CACHE": str(self.root / "cache")}
+
+    def write_config(self, name: str, model: str = "llama", parallel: dict | None = None, **settings) -> Path:
+        path, family = self.models[model]
+        values = dict(
+            model_id=str(path), model_path=path, family=family, train_data=self.data[model],
+            checkpoint_dir=self.root / name / "checkpoints", mixed_precision="no", parallel=parallel or {},
+            use_lora=False, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="all-linear",
+            optimizer="AdamW", lr=1e-3, weight_decay=0.0, scheduler="ConstantWarmupScheduler", warmup_ratio=0.0,
+            max_grad_norm=1.0, epochs=1, max_steps=4, batch_size=3, gradient_accumulation_steps=2, seed=0,
+            router_aux_loss_coef=None)
+        return TrainRunConfig(**{**values, **settings}).write(self.root / f"{name}.json")
+
+    def launch(self, cmds: list[list[str]], name: str) -> Run:
+        """Run the commands together (one per torchrun agent) and read the run's outputs."""
+        events, errors = [], []
+
+        def follow(line: str) -> None:
+            if line.startswith(EVENT_PREFIX):
+                events.append(json.loads(line[len(EVENT_PREFIX):]))
+
+        def start(cmd: list[str]) -> None:
+            try:
+                run_streaming(cmd, follow, timeout_s=RUN_TIMEOUT_S, env=self.env())
+            except Exception as exc:  # noqa: BLE001 - re-raised below in the test's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start, args=(cmd,)) for cmd in cmds]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        out = self.root / name / "out"
+        return Run(json.loads((out / "result.json").read_text()), load_file(out / "weights.safetensors"), events)
+
+    def run(self, name: str) -> Run:
+        """The named run from RUNS, started once per session."""
+        if name not in self._runs:
+            nproc, model, settings = RUNS[name]
+            settings = dict(settings, parallel=dict(settings.get("parallel", {}), nproc_per_node=nproc))
+            args = [str(self.write_config(name, model, **settings)), str(self.root / name / "out")]
+            cmd = ([sys.executable, "-m", "train_worker", *args] if nproc == 1
+                   else torchrun_command("train_worker", args, nproc_per_node=nproc))
+            self._runs[name] = self.launch([cmd], name)
+        return self._runs[name]
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory) -> Workspace:
+    root = tmp_path_factory.mktemp("parallel")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TWINKLE_CACHE", str(root / "cache"))
+        yield Workspace(root)

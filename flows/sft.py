@@ -71,11 +71,12 @@ class SFTConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     seed: int = Field(42, description="Random seed (data order, LoRA init).")
     router_aux_loss_coef: float | None = Field(None, ge=0, description="MoE router load-balancing loss weight (empty: the model config's; 0: off).")
-    # parallelism (data-parallel across processes and machines; tp/sp/ep arrive later)
+    # parallelism (data-parallel or tensor-parallel across processes and machines; sp/ep arrive later)
     strategy: Strategy = Field(Strategy.accelerate, description="accelerate (FSDP via Accelerate) or native_fsdp.")
     nproc_per_node: int = Field(1, ge=1, description="Training processes on this machine (alone: FSDP over them).")
     dp_size: int = Field(1, ge=1, description="Data-parallel replicas (alone: DDP; with FSDP: HSDP).")
     fsdp_size: int | None = Field(None, ge=1, description="FSDP shard group size (empty: the processes that dp_size leaves).")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel size (pure TP: nproc_per_node × nnodes processes; full fine-tuning).")
     nnodes: int = Field(1, ge=1, description="Machines in the run: start one flow run (or torchrun) per machine with the same settings except node_rank.")
     node_rank: int = Field(0, ge=0, description="This machine's index, 0 .. nnodes-1.")
     rdzv_endpoint: str | None = Field(None, description="HOST:PORT where the machines meet (node 0 by convention), the same on every machine; needed when nnodes > 1.")
@@ -97,6 +98,9 @@ class SFTConfig(BaseModel):
         check_model_id(self.model_id)
         resolve_precision(self.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
         check_parallel_config(self.parallel())
+        if self.tp_size > 1 and self.use_lora:
+            raise ValueError(f"tp_size={self.tp_size} with use_lora=True: LoRA under tensor parallelism arrives in a "
+                             "later release; set use_lora=false (full fine-tuning) or tp_size=1 (FSDP shards too).")
         return self
 
     def parallel(self) -> ParallelConfig:

@@ -32,6 +32,7 @@ def test_defaults_then_file_then_flags(tmp_path):
 @pytest.mark.parametrize("argv,words", [
     (["--mixed-precision", "fp8"], ["fp8", "Transformer Engine", "bf16"]),
     (["--nproc-per-node", "2", "--dp-size", "3"], ["dp_size=3", "dp_size=2 would fit"]),
+    (["--nproc-per-node", "2", "--tp-size", "2"], ["tp_size=2", "use_lora", "later release"]),
     (["--lr", "-1"], ["lr", "greater than 0"]),
     (["--strategy", "deepspeed"], ["strategy", "accelerate", "native_fsdp"]),
 ])

@@ -41,6 +41,7 @@ RUNS: dict[str, tuple[int, str, dict]] = {
     "native_fsdp": (2, "llama", dict(parallel=dict(strategy="native_fsdp"))),
     "accelerate_fsdp": (2, "llama", dict(parallel=dict(strategy="accelerate"))),
     "hsdp": (4, "llama", dict(parallel=dict(strategy="native_fsdp", dp_size=2, fsdp_size=2))),
+    "tp": (2, "llama", dict(parallel=dict(tp_size=2))),
     "single_lora": (1, "llama", dict(use_lora=True)),
     "accelerate_fsdp_lora": (2, "llama", dict(use_lora=True)),
     "single_bf16_lora": (1, "llama", dict(use_lora=True, mixed_precision="bf16")),

@@ -60,8 +60,12 @@ def test_fsdp_takes_the_ranks_left_and_dp_alone_means_ddp():
 
 
 def test_strategies_that_do_not_exist_yet_say_so(llama_config):
-    with pytest.raises(ValueError, match=r"tp_size=2: tensor parallelism .* arrives in a later release"):
-        check_parallel_config(ParallelConfig(nproc_per_node=2, tp_size=2), llama_config)
+    with pytest.raises(ValueError, match=r"tp_size=2 with fsdp_size=2: tensor parallelism combined .* arrives in "
+                                         r"a later release"):
+        check_parallel_config(ParallelConfig(nproc_per_node=4, tp_size=2), llama_config)
+    with pytest.raises(ValueError, match=r"sp_size=2: sequence parallelism .* arrives in a later release"):
+        check_parallel_config(ParallelConfig(nproc_per_node=2, sp_size=2), llama_config)
+    assert check_parallel_config(ParallelConfig(nproc_per_node=2, tp_size=2), llama_config)["tp_size"] == 2  # pure TP
     with pytest.raises(ValueError, match=r"pp_size=2: pipeline parallelism arrives with the Megatron backend"):
         check_parallel_config(ParallelConfig(nproc_per_node=2, pp_size=2, fsdp_size=2))
     assert check_parallel_config(ParallelConfig(nproc_per_node=2), llama_config)["fsdp_size"] == 2

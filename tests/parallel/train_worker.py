@@ -56,6 +56,12 @@ def memory_shares(model) -> dict:
             "optim_bytes": sum(map(_local_bytes, states)), "optim_full_bytes": sum(map(_full_bytes, states))}
 
 
+def local_shapes(model) -> dict[str, list[list[int]]]:
+    """Each parameter's [local shard shape, full shape] on this rank (tensor parallelism: the DTensor shard)."""
+    return {name: [list((p.to_local() if hasattr(p, "to_local") else p).shape), list(p.shape)]
+            for name, p in model.model.named_parameters()}
+
+
 def trainable_weights(model) -> dict[str, torch.Tensor]:
     if dist.is_initialized():
         state = gather_full_state_dict(model.model, trainable_only=True)
@@ -69,10 +75,11 @@ def main(config_path: str, out_dir: str) -> None:
     recipe.setup()
     recipe.metrics = StepRecorder(recipe.model)
     recipe.train()
-    shares = [memory_shares(recipe.model)]
+    shares, shapes = [memory_shares(recipe.model)], [local_shapes(recipe.model)]
     if dist.is_initialized():
-        shares = [None] * dist.get_world_size()
+        shares, shapes = [None] * dist.get_world_size(), [None] * dist.get_world_size()
         dist.all_gather_object(shares, memory_shares(recipe.model))
+        dist.all_gather_object(shapes, local_shapes(recipe.model))
     weights = trainable_weights(recipe.model)
     checkpoint = recipe.save_checkpoint()
     runner = recipe.model._loss_module()
@@ -82,6 +89,7 @@ def main(config_path: str, out_dir: str) -> None:
         save_file(weights, out / "weights.safetensors")
         (out / "result.json").write_text(json.dumps({
             "strategy": recipe.model.parallel.name, "steps": recipe.metrics.steps, "shares": shares,
+            "local_shapes": shapes,
             "fsdp_units": sum(isinstance(m, FSDPModule) for m in runner.modules()),
             "trainable": [n for n, p in recipe.model.model.named_parameters() if p.requires_grad],
             "checkpoint": str(checkpoint),

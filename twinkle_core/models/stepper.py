@@ -78,7 +78,10 @@ class Stepper:
         loss_sum, tokens, aux_sum = self.parallel.all_reduce_sum([self._loss_sum, self._tokens, self._aux_sum or 0.0])
         tokens = int(tokens)
         grads = [p.grad for p in self.parameters if p.grad is not None]
-        torch._foreach_mul_(grads, self.parallel.grad_average_size / max(1, tokens))
+        scale = self.parallel.grad_average_size / max(1, tokens)
+        # foreach ops refuse a mix of DTensor and plain gradients (tensor parallelism): scale each kind apart
+        for same_kind in _by_tensor_type(grads):
+            torch._foreach_mul_(same_kind, scale)
         norm = self.parallel.clip_grad_norm_(self.parameters, max_grad_norm or float("inf"))
         lr = self.optimizer.param_groups[0]["lr"]
         if self.scaler:
@@ -106,3 +109,10 @@ class Stepper:
     def _reset(self) -> None:
         self._micro, self._loss_sum, self._tokens, self._seen_tokens, self._aux_sum = 0, 0.0, 0, 0, None
         self._started = time.perf_counter()
+
+
+def _by_tensor_type(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[type, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(type(tensor), []).append(tensor)
+    return list(groups.values())

@@ -91,6 +91,13 @@ class TransformersModel:
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         ensure_chat_template(self.tokenizer, self.family.chat_template)  # the family's when it ships none
         from_pretrained_kwargs.setdefault("dtype", self.precision.trainable_dtype)
+        if self.mesh is not None and self.mesh.size("tp") > 1:  # weights load as tp-sharded DTensors
+            # Transformers 5.24 builds its TP mesh from the config (a device_mesh argument is ignored); pure
+            # TP only (world == tp_size), so its tp dim is our mesh's.
+            from transformers.distributed import DistributedConfig
+
+            from_pretrained_kwargs.setdefault("distributed_config", DistributedConfig(tp_plan="auto",
+                                                                                      tp_size=self.mesh.size("tp")))
         self.model = AutoModelForCausalLM.from_pretrained(self.path, **from_pretrained_kwargs).to(self.device)
         if self.precision.fp8_linears:
             convert_linears_to_fp8(self.model)
@@ -114,6 +121,10 @@ class TransformersModel:
                 "(use MultiLoraTransformersModel for several)."
             )
         self._check_not_wrapped("add_adapter_to_model")
+        if self.mesh is not None and self.mesh.size("tp") > 1:
+            from twinkle_core.parallel.tp import lora_refusal
+
+            raise ValueError(lora_refusal())
         if config.target_modules is None:
             config.target_modules = self.family.lora_target_modules
         if config.exclude_modules is None and self.family.lora_exclude_modules:

@@ -1,8 +1,9 @@
 """Parallel settings of a run, validated before any process starts.
 
-Data parallelism (DDP, FSDP via Accelerate or natively, HSDP) runs on one machine or several; tp_size,
-sp_size, ep_size and sequence_parallel are validated against the model already, and fail with a clear
-"arrives in" message until their strategies exist. `check_parallel_config` is what the flow calls.
+Data parallelism (DDP, FSDP via Accelerate or natively, HSDP) runs on one machine or several, and pure
+tensor parallelism (tp_size = world size); sp_size, ep_size, sequence_parallel and TP combined with other
+dims are validated against the model already, and fail with a clear "arrives in" message until their
+strategies exist. `check_parallel_config` is what the flow calls.
 """
 from __future__ import annotations
 
@@ -88,13 +89,20 @@ _ARRIVES_LATER = {
 
 
 def check_implemented(sizes: dict[str, int], pp_size: int = 1, sequence_parallel: bool = False) -> None:
-    """Reject layouts whose strategy is not built yet (TP, SP, EP; PP is the Megatron backend's)."""
+    """Reject layouts whose strategy is not built yet (SP, EP, TP combined with others; PP is Megatron's).
+
+    Pure tensor parallelism (tp_size = world size, every other size 1) is supported (twinkle_core.parallel.tp).
+    """
+    from twinkle_core.parallel.tp import tp_unsupported
+
     wanted = {name: value for name, value in sizes.items() if name in _ARRIVES_LATER and value != 1}
+    tp_problems = tp_unsupported(sizes)
+    wanted.pop("tp_size", None)  # pure TP runs; TP with anything else is reported by tp_unsupported
     if sequence_parallel:
         wanted["sequence_parallel"] = True
     problems = [f"{name}={value}: {_ARRIVES_LATER[name]} for the Transformers backend arrives in a later release "
                 f"(issue 4, TP/SP/EP part); use {name}={'False' if name == 'sequence_parallel' else 1}."
-                for name, value in wanted.items()]
+                for name, value in wanted.items()] + tp_problems
     if pp_size != 1:
         problems.append(f"pp_size={pp_size}: pipeline parallelism arrives with the Megatron backend; "
                         "use pp_size=1 with the Transformers backend.")

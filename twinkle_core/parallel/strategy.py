@@ -10,7 +10,8 @@ global batch:
   by N / global_tokens, leaving Σ_rank ∇loss_sum / global_tokens: the gradient of the token-mean loss of
   the whole global batch, which is what one process computes.
 
-Choice: one process → SingleProcess; only dp_size > 1 → DDP; fsdp_size > 1 → FSDP (HSDP when dp_size > 1
+Choice: one process → SingleProcess; tp_size > 1 → TensorParallel (pure TP, twinkle_core.parallel.tp);
+only dp_size > 1 → DDP; fsdp_size > 1 → FSDP (HSDP when dp_size > 1
 too), managed by Accelerate (`strategy='accelerate'`, the default) or by `fully_shard` (`'native_fsdp'`).
 """
 from __future__ import annotations
@@ -124,7 +125,11 @@ def build_strategy(strategy: Strategy, mesh: DeviceMesh | None, precision) -> Si
         return SingleProcess()
     sizes = mesh.sizes
     check_implemented(sizes)
-    if sizes["fsdp_size"] == 1:
+    if sizes["tp_size"] > 1:  # pure TP (check_implemented refuses TP combined with other dims)
+        from twinkle_core.parallel.tp import TensorParallel
+
+        chosen = TensorParallel(mesh, precision)
+    elif sizes["fsdp_size"] == 1:
         from twinkle_core.parallel.ddp import DDPStrategy
 
         chosen = DDPStrategy(mesh, precision)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from twinkle_core.data import ensure_chat_template

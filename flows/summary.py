@@ -3,25 +3,39 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from tasks.refs import CheckpointRef, TokenizedRef
+from twinkle_core.precision import auto_precision
 
 
 def _one_line(text: str) -> str:
     return " ".join(text.split()) or "(empty)"
 
 
+def _settings(config: Any) -> str:
+    """The settings that shape a run, on one line (the whole config is in MLflow's params)."""
+    parts = [f"{config.backend}", f"lr {config.lr:g}", f"batch {config.batch_size}",
+             f"max_steps {config.max_steps}" if config.max_steps else f"epochs {config.epochs:g}",
+             f"{config.nproc_per_node * config.nnodes} process(es), {config.strategy.value}"]
+    return "settings: " + ", ".join(parts)
+
+
 def render_summary(config: Any, prompts: list[list[dict]], reports: dict, registration: dict, run_id: str,
-                   checkpoint: CheckpointRef, train_data: TokenizedRef) -> str:
+                   checkpoint: CheckpointRef, train_data: TokenizedRef, links: dict[str, str] | None = None) -> str:
+    """The report; `links` (MLflow run page, loss-curve image) add a link line and the embedded curve."""
     base, trained = reports["base"], reports["trained"]
+    resumed = f", resumed from step {checkpoint.resumed_from_step}" if checkpoint.resumed_from_step else ""
     lines = [
         "## Twinkle Flows: SFT summary",
         "",
         f"model: {config.model_id}",
         f"dataset: {config.dataset} ({train_data.num_rows} rows, {train_data.num_trained_tokens} trained tokens, "
         f"{train_data.num_bad} bad rows skipped)",
-        f"training: {'LoRA r=' + str(config.lora_r) if config.use_lora else 'full'}, {config.mixed_precision}, "
+        _settings(config),
+        f"training: {'LoRA r=' + str(config.lora_r) if config.use_lora else 'full'}, {_precision(config.mixed_precision)}, "
         f"{checkpoint.train_seconds:.0f} s, final loss {checkpoint.final_metrics.get('loss', float('nan')):.4f}, "
-        f"{checkpoint.final_metrics.get('tokens_per_s', 0):.0f} tokens/s",
+        f"{checkpoint.final_metrics.get('tokens_per_s', 0):.0f} tokens/s{resumed}",
         "",
         "| | base | trained |",
         "|---|---|---|",
@@ -44,4 +58,15 @@ def render_summary(config: Any, prompts: list[list[dict]], reports: dict, regist
         f"champion: {registration['decision']}",
         f"checkpoint: {checkpoint.path}",
     ]
+    if links:
+        lines += ["", f"MLflow run: {links['run']}"]
+        if "loss_curve" in links:
+            lines += ["", f"![training loss]({links['loss_curve']})"]
     return "\n".join(lines)
+
+
+def _precision(mode: str) -> str:
+    """The setting, and what 'auto' chose on this machine."""
+    if mode != "auto":
+        return mode
+    return f"auto ({auto_precision('cuda' if torch.cuda.is_available() else 'cpu').value})"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.refs import CheckpointRef, ModelRef, TokenizedRef
 from twinkle_core.evaluate import EvalRunConfig
@@ -48,4 +48,7 @@ def evaluate(model: ModelRef, checkpoint: CheckpointRef, heldout: TokenizedRef, 
             client.log_metric(mlflow_run_id, f"{prefix}_perplexity", report["perplexity"])
         client.log_dict(mlflow_run_id, reports, "eval/report.json")
     create_markdown_artifact(_table(reports, prompts), key="evaluation", description="held-out evaluation")
+    create_table_artifact([{"model": label, "eval_loss": round(r["eval_loss"], 4), "perplexity": round(r["perplexity"], 2),
+                            "eval_tokens": r["eval_tokens"]} for label, r in reports.items()],
+                          key="eval-results", description="held-out loss and perplexity, base vs trained")
     return reports

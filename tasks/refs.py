@@ -33,3 +33,4 @@ class CheckpointRef(BaseModel):
     final_metrics: dict[str, float]
     train_seconds: float
     probe_loss: float  # loss of the trained weights on a fixed batch, for checking reloads
+    resumed_from_step: int = 0  # a retried run continued from the training state saved at this step

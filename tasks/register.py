@@ -11,11 +11,17 @@ ARTIFACT_PATH = "model"
 
 
 @task
-def register(checkpoint: CheckpointRef, name: str, mlflow_run_id: str, eval_loss: float) -> dict:
-    """Upload the adapter/model as the run's artifact and register it; champion moves only if it wins."""
+def register(checkpoint: CheckpointRef, name: str, mlflow_run_id: str, eval_loss: float,
+             tags: dict[str, str] | None = None) -> dict:
+    """Upload the adapter/model as the run's artifact and register it; champion moves only if it wins.
+
+    `tags` (e.g. the Prefect flow run) go on the new model version.
+    """
     client = MlflowClient(tracking_uri())
     client.log_artifacts(mlflow_run_id, checkpoint.path, ARTIFACT_PATH)
     result = register_version(client, name, mlflow_run_id, ARTIFACT_PATH, eval_loss)
+    for key, value in (tags or {}).items():
+        client.set_model_version_tag(name, result.version, key, value)
     get_run_logger().info("registered %s version %s: %s", name, result.version, result.decision())
     return {"name": result.name, "version": result.version, "promoted": result.promoted,
             "decision": result.decision(), "champion_version": result.champion_version,

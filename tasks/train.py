@@ -1,11 +1,20 @@
-"""train: launch the training workers with torchrun and follow them."""
+"""train: launch the training workers with torchrun and follow them.
+
+Training holds `nproc_per_node` slots of a Prefect global concurrency limit (default name "gpu") while it
+runs, so runs started together queue for the devices instead of fighting over them; without such a limit
+on the server nothing waits. Cancelling the flow run or passing the timeout kills the whole worker tree
+(twinkle_core.launch).
+"""
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.concurrency.sync import concurrency
 
 from tasks.refs import CheckpointRef
 from twinkle_core.launch import cpu_threads_env, run_streaming, torchrun_command_for
@@ -36,13 +45,26 @@ def describe_step(event: dict) -> str:
     return ", ".join(parts)
 
 
+def describe_progress(step: int, total: int, first_step: int, seconds: float) -> str:
+    """'step 30/120, ETA 1 min 30 s' from the pace of the steps trained in this attempt."""
+    done = step - first_step
+    if done <= 0 or step >= total:
+        return f"step {step}/{total}"
+    eta = round(seconds / done * (total - step))
+    return f"step {step}/{total}, ETA " + (f"{eta // 60} min {eta % 60} s" if eta >= 60 else f"{eta} s")
+
+
 class _Follower:
-    """Turns worker output into Prefect log lines, progress and the final checkpoint event."""
+    """Turns worker output into Prefect log lines, progress (step / total, ETA) and the final events."""
+
+    UPDATE_EVERY_S = 2.0  # progress artifact updates are API calls: at most this often, and at the last step
 
     def __init__(self):
         self.log = get_run_logger()
-        self.progress_id = create_progress_artifact(progress=0.0, description="training steps")
+        self.progress_id = create_progress_artifact(progress=0.0, key="training-progress",
+                                                    description="training: starting the workers")
         self.events: dict[str, dict] = {}
+        self.first_step, self.started, self.updated = 0, time.monotonic(), 0.0
 
     def __call__(self, line: str) -> None:
         if not line.startswith(EVENT_PREFIX):
@@ -51,14 +73,28 @@ class _Follower:
         event = json.loads(line[len(EVENT_PREFIX):])
         self.events[event["event"]] = event
         if event["event"] == "step":
-            update_progress_artifact(self.progress_id, 100.0 * event["step"] / event["total"])
+            self._progress(event["step"], event["total"])
             self.log.info(describe_step(event))
+        elif event["event"] == "resume":
+            self.first_step, self.started = event["step"], time.monotonic()
+            self.log.info("resumed from the training state saved at step %d of %d", event["step"], event["total"])
         else:
+            if event["event"] == "perf":  # the last setup event: the pace counts from here
+                self.started = time.monotonic()
             self.log.info("%s: %s", event["event"], event)
+
+    def _progress(self, step: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.updated < self.UPDATE_EVERY_S and step < total:
+            return
+        self.updated = now
+        update_progress_artifact(self.progress_id, 100.0 * step / total,
+                                 description=describe_progress(step, total, self.first_step, now - self.started))
 
 
 @task
-def train(run_config: TrainRunConfig, run_dir: str, timeout_s: float | None = None) -> CheckpointRef | None:
+def train(run_config: TrainRunConfig, run_dir: str, timeout_s: float | None = None,
+          device_limit: str | None = "gpu") -> CheckpointRef | None:
     """Write the run config, start `torchrun -m twinkle_core.train`, stream it, return the checkpoint.
 
     None on a machine of a multi-machine run that did not hold global rank 0 (that machine saves it).
@@ -66,8 +102,13 @@ def train(run_config: TrainRunConfig, run_dir: str, timeout_s: float | None = No
     config_path = run_config.write(Path(run_dir) / "train_config.json")
     follow = _Follower()
     cmd = torchrun_command_for(run_config.parallel, "twinkle_core.train", [str(config_path)])
-    follow.log.info("launching: %s", " ".join(cmd))
-    run_streaming(cmd, follow, timeout_s=timeout_s, env=cpu_threads_env(run_config.parallel.nproc_per_node))
+    slots = run_config.parallel.nproc_per_node
+    if device_limit:
+        follow.log.info("taking %d slot(s) of the concurrency limit %r (waits while other runs hold them)",
+                        slots, device_limit)
+    with concurrency(device_limit, occupy=slots, strict=False) if device_limit else contextlib.nullcontext():
+        follow.log.info("launching: %s", " ".join(cmd))
+        run_streaming(cmd, follow, timeout_s=timeout_s, env=cpu_threads_env(slots))
     done = follow.events.get("checkpoint")
     if done is None and run_config.parallel.nnodes > 1:
         follow.log.info("training finished; global rank 0 ran on another machine, which saved the checkpoint")
@@ -76,4 +117,5 @@ def train(run_config: TrainRunConfig, run_dir: str, timeout_s: float | None = No
         raise RuntimeError("training finished without writing a checkpoint; see the worker log above.")
     metrics = step_metrics(follow.events.get("step", {}))
     return CheckpointRef(path=done["path"], is_adapter=run_config.use_lora, final_metrics=metrics,
-                         train_seconds=done["train_seconds"], probe_loss=done["probe_loss"])
+                         train_seconds=done["train_seconds"], probe_loss=done["probe_loss"],
+                         resumed_from_step=follow.events.get("resume", {}).get("step", 0))

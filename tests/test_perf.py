@@ -63,7 +63,8 @@ def test_moe_counts_only_the_experts_a_token_is_routed_to():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_measured_cpu_peak_is_positive_sane_and_cached(dtype):
     peak = perf.peak_flops("cpu", dtype)
-    assert 1e9 < peak < 5e13  # between 1 GFLOP/s and far above any CPU socket
+    # From a CPU without bf16 units (emulated bf16 ran at 0.3 GFLOP/s) to far above any CPU socket.
+    assert 1e7 < peak < 5e13
     started = time.perf_counter()
     assert perf.peak_flops("cpu", dtype) == peak  # measured once per process
     assert time.perf_counter() - started < 0.01
@@ -123,7 +124,9 @@ def test_step_perf_on_cpu_measures_its_peak():
     step = perf.StepPerf(tiny_llama_config(), seq_len=128, device="cpu", dtype=torch.bfloat16)
     assert step.peak == perf.peak_flops("cpu", torch.bfloat16)
     assert "measured bf16" in step.describe()["peak_source"]
-    assert 0 < step.metrics(tokens_per_s=1e4)["mfu"] < 1
+    # A throughput at half the measured peak reads as 50% MFU, whatever this CPU's peak is.
+    half_peak = 0.5 * step.peak / step.flops_per_token
+    assert step.metrics(tokens_per_s=half_peak)["mfu"] == pytest.approx(0.5)
 
 
 @pytest.mark.gpu

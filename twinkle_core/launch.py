@@ -1,7 +1,9 @@
 """Start worker processes (torchrun or plain python) in their own session and stream their output.
 
 The orchestrator never shares a process with the model: GPU memory, NCCL/gloo and crashes stay in the
-worker tree, and on cancel, timeout or error the whole process group is killed.
+worker tree, and on cancel, timeout or error the whole process tree is killed (torchrun's workers each
+lead a session of their own, so the tree is found through /proc, not by process group); on Linux the
+worker tree also gets SIGTERM when the process that started it dies without cleaning up.
 """
 from __future__ import annotations
 
@@ -67,18 +69,49 @@ def _pump(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
-def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group, then SIGKILL what is left after a grace period."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, from /proc (empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
             continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _kill_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the worker tree, then SIGKILL what is left after a grace period.
+
+    The tree, not only our process group: torchrun starts each worker in a session of its own, so a
+    SIGKILL that reaches only the agent would leave the workers running.
+    """
+    tree = [proc.pid, *_descendants(proc.pid)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in tree:
+            for send in (os.killpg, os.kill):  # its group where it leads one (workers do), and itself
+                try:
+                    send(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and (proc.poll() is None or any(map(_is_running, tree[1:]))):
+            time.sleep(0.1)
+        if proc.poll() is not None and not any(map(_is_running, tree[1:])):
+            return
 
 
 _LAUNCHER_FRAMES = ("torch/distributed/run.py", "torch/distributed/launcher", "ChildFailedError")
@@ -96,6 +129,15 @@ def _error_summary(tail: deque) -> str:
     return "\n".join(lines[max(0, launcher_start - 20):launcher_start] or lines[-20:])
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this child if the process that started it dies (even by SIGKILL), so an orchestrator
+    killed without notice leaves no training behind; torchrun's agent passes the SIGTERM to its workers."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _worker_env(extra: dict[str, str] | None) -> dict[str, str]:
     """Workers import the same twinkle_core as this process, whatever their working directory."""
     root = str(Path(__file__).resolve().parents[1])
@@ -110,6 +152,7 @@ def run_streaming(cmd: Sequence[str], on_line: Callable[[str], None], timeout_s:
     proc = subprocess.Popen(
         list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
         start_new_session=True, env=_worker_env(env), cwd=cwd,
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
     )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
@@ -131,6 +174,6 @@ def run_streaming(cmd: Sequence[str], on_line: Callable[[str], None], timeout_s:
         code = proc.wait()
     finally:
         if proc.poll() is None:
-            _kill_group(proc)
+            _kill_tree(proc)
     if code != 0:
         raise WorkerError(f"worker exited with code {code}:\n{_error_summary(tail)}")

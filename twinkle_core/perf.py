@@ -120,26 +120,31 @@ def _dtype_key(dtype: torch.dtype) -> str:
 
 @functools.lru_cache(maxsize=None)
 def measured_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """The best FLOP/s of a few large square matmuls in `dtype`, measured once per process and device.
+    """The best FLOP/s of a few square matmuls in `dtype`, measured once per process and device.
 
-    2048² on CPU (under 1 s at fp32 on 2 cores), 8192² ×4 per timing on GPU (kernel launches amortised).
+    8192² ×4 per timing on GPU (kernel launches amortised). On CPU the size grows from 256² to 2048² while one
+    matmul takes under 0.1 s: a CPU without bf16 units emulates bf16 ~100x slower than fp32 (~1 GFLOP/s),
+    where a fixed 2048² would take minutes.
     """
     if _dtype_key(dtype) == "fp8":
         raise ValueError(f"dtype={dtype}: no fp8 peak is known for device {device}, and plain matmuls cannot "
                          "measure one; pass the datasheet number (peak_flops=...) to StepPerf.")
-    size, per_timing = (8192, 4) if device.type == "cuda" else (2048, 1)
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    torch.mm(a, b)  # warm-up: thread pools, kernel selection
-    sync()
-    best = float("inf")
-    for _ in range(5):
+
+    def seconds(a, b, repeats: int) -> float:
         started = time.perf_counter()
-        for _ in range(per_timing):
+        for _ in range(repeats):
             torch.mm(a, b)
         sync()
-        best = min(best, time.perf_counter() - started)
+        return time.perf_counter() - started
+
+    sizes, per_timing = ([8192], 4) if device.type == "cuda" else ([256, 512, 1024, 2048], 1)
+    for size in sizes:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        if seconds(a, b, 1) > 0.1:  # also the warm-up: thread pools, kernel selection
+            break
+    best = min(seconds(a, b, per_timing) for _ in range(5))
     return 2.0 * size**3 * per_timing / best
 
 

@@ -32,7 +32,8 @@ def test_defaults_then_file_then_flags(tmp_path):
 @pytest.mark.parametrize("argv,words", [
     (["--mixed-precision", "fp8"], ["fp8", "Transformer Engine", "bf16"]),
     (["--nproc-per-node", "2", "--dp-size", "3"], ["dp_size=3", "dp_size=2 would fit"]),
-    (["--nproc-per-node", "2", "--tp-size", "2"], ["tp_size=2", "use_lora", "later release"]),
+    (["--nproc-per-node", "3", "--tp-size", "2"], ["tp_size=2", "3 processes"]),
+    (["--nproc-per-node", "2", "--ep-size", "3"], ["ep_size=3 must divide dp_size × fsdp_size = 2"]),
     (["--lr", "-1"], ["lr", "greater than 0"]),
     (["--strategy", "deepspeed"], ["strategy", "accelerate", "native_fsdp"]),
 ])
@@ -43,6 +44,11 @@ def test_unsupported_options_fail_before_anything_runs(argv, words):
         assert word in str(err.value)
 
 
+def test_sequence_parallel_size_is_a_flow_option():
+    config = parse_config(SFTConfig, ["--nproc-per-node", "4", "--sp-size", "2"], "d")
+    assert config.parallel().mesh_sizes() == dict(dp_size=1, fsdp_size=2, tp_size=1, ep_size=1, sp_size=2)
+
+
 def test_unknown_keys_in_the_config_file_are_named(tmp_path):
     config_file = tmp_path / "run.yaml"
     config_file.write_text("learning_rate: 0.1\n")
@@ -51,13 +57,17 @@ def test_unknown_keys_in_the_config_file_are_named(tmp_path):
 
 
 def test_deployment_presets_are_valid_flow_parameters():
-    from deployments.deploy import build_deployments
+    from deployments.presets import build_deployments
 
-    deployments = {d.name: d for d in build_deployments()}
-    assert set(deployments) == {"default", "nightly"}
+    deployments = {d.name: d for d in build_deployments() if d.flow_name == "sft"}
+    assert set(deployments) == {"default", "qwen2.5-lora", "qwen2.5-tp2", "nightly"}
     for deployment in deployments.values():
         SFTConfig.model_validate(deployment.parameters["config"])
     assert deployments["nightly"].schedules[0].schedule.cron == "0 2 * * *"
+    from flows.multi_lora import MultiLoraConfig
+
+    (multi,) = [d for d in build_deployments() if d.flow_name == "multi_lora"]
+    assert [t.name for t in MultiLoraConfig.model_validate(multi.parameters["config"]).tenants] == ["twinkle", "nova"]
 
 
 def test_multi_machine_flags_reach_the_parallel_config():

@@ -11,8 +11,9 @@ from twinkle_core.models import TransformersModel
 from twinkle_core.tracking import tracking_uri
 
 LORA_CASES = [(family, variant, True) for family, variants in FAMILY_VARIANTS.items() for variant in variants]
-FULL_CASES = [("qwen2_5", FAMILY_VARIANTS["qwen2_5"][0], False), ("qwen3_5", "moe", False), ("deepseek_v4", "moe", False),
-              ("deepseek_r1", FAMILY_VARIANTS["deepseek_r1"][0], False)]
+# Full fine-tuning through the flow for the two checkpoints whose full save/reload is unusual (a VLM wrapper,
+# DeepSeek V4's own layout); tests/models/test_families_train.py trains the others in full without the flow.
+FULL_CASES = [("qwen3_5", "moe", False), ("deepseek_v4", "moe", False)]
 
 
 def _probe_loss(model_dir, result, batch_size: int) -> float:

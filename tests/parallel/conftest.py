@@ -42,6 +42,17 @@ RUNS: dict[str, tuple[int, str, dict]] = {
     "accelerate_fsdp": (2, "llama", dict(parallel=dict(strategy="accelerate"))),
     "hsdp": (4, "llama", dict(parallel=dict(strategy="native_fsdp", dp_size=2, fsdp_size=2))),
     "tp": (2, "llama", dict(parallel=dict(tp_size=2))),
+    "sp": (2, "llama", dict(parallel=dict(sp_size=2))),
+    "sp_lora": (2, "llama", dict(use_lora=True, parallel=dict(sp_size=2))),
+    "sp_native_fsdp": (4, "llama", dict(parallel=dict(strategy="native_fsdp", sp_size=2))),  # fsdp 2 × sp 2
+    "sp_accelerate_fsdp": (4, "llama", dict(parallel=dict(sp_size=2))),
+    "tp_lora": (2, "llama", dict(use_lora=True, parallel=dict(tp_size=2))),
+    "fsdp_tp": (4, "llama", dict(parallel=dict(strategy="native_fsdp", fsdp_size=2, tp_size=2))),
+    "dp_tp": (4, "llama", dict(parallel=dict(dp_size=2, tp_size=2))),
+    # Qwen3.5: per-head q/k norms (gradients summed over tp ranks), linear attention with gathered outputs.
+    # SGD: see test_qwen3_5_under_tp_sums_the_per_head_norm_gradients_and_matches.
+    "single_qwen3_5": (1, "qwen3_5", dict(optimizer="SGD", lr=0.1)),
+    "tp_qwen3_5": (2, "qwen3_5", dict(optimizer="SGD", lr=0.1, parallel=dict(tp_size=2))),
     "single_lora": (1, "llama", dict(use_lora=True)),
     "accelerate_fsdp_lora": (2, "llama", dict(use_lora=True)),
     "single_bf16_lora": (1, "llama", dict(use_lora=True, mixed_precision="bf16")),
@@ -50,6 +61,23 @@ RUNS: dict[str, tuple[int, str, dict]] = {
     # Router aux loss off and SGD: see test_moe_under_ddp_matches_one_process.
     "single_moe": (1, "moe", dict(router_aux_loss_coef=0.0, optimizer="SGD", lr=0.1)),
     "ddp_moe": (2, "moe", dict(router_aux_loss_coef=0.0, optimizer="SGD", lr=0.1, parallel=dict(dp_size=2))),
+    # Expert parallelism (test_parallel_ep): experts split over the 2 ranks, the rest DDP or FSDP.
+    "ep_ddp_moe": (2, "moe", dict(router_aux_loss_coef=0.0, optimizer="SGD", lr=0.1,
+                                  parallel=dict(dp_size=2, ep_size=2))),
+    "ep_fsdp_moe": (2, "moe", dict(router_aux_loss_coef=0.0, optimizer="SGD", lr=0.1,
+                                   parallel=dict(strategy="native_fsdp", ep_size=2))),
+    "ep_accelerate_fsdp_moe": (2, "moe", dict(router_aux_loss_coef=0.0, optimizer="SGD", lr=0.1,
+                                              parallel=dict(ep_size=2))),
+    "ep_hsdp_moe": (4, "moe", dict(router_aux_loss_coef=0.0, optimizer="SGD", lr=0.1,
+                                   parallel=dict(strategy="native_fsdp", dp_size=2, fsdp_size=2, ep_size=2))),
+    "single_lora_moe": (1, "moe", dict(use_lora=True, router_aux_loss_coef=0.0, optimizer="SGD", lr=0.1)),
+    "ep_lora_moe": (2, "moe", dict(use_lora=True, router_aux_loss_coef=0.0, optimizer="SGD", lr=0.1,
+                                   parallel=dict(ep_size=2))),
+    # Router aux loss on (the config's 0.001): the global micro-batch's aux loss under data parallelism.
+    "single_moe_aux": (1, "moe", dict(optimizer="SGD", lr=0.1)),
+    "ep_moe_aux": (2, "moe", dict(optimizer="SGD", lr=0.1, parallel=dict(dp_size=2, ep_size=2))),
+    "single_moe_adamw": (1, "moe", dict(router_aux_loss_coef=0.0)),
+    "ep_moe_adamw": (2, "moe", dict(router_aux_loss_coef=0.0, parallel=dict(dp_size=2, ep_size=2))),
 }
 
 
@@ -80,6 +108,8 @@ class Workspace:
             "llama": (save_tiny_model(root / "llama"), "llama3"),
             "moe": (save_tiny_family_model("qwen3_5", root / "moe", "moe", tokenizer_chat_template=CHATML_TEMPLATE),
                     "qwen3_5"),
+            "qwen3_5": (save_tiny_family_model("qwen3_5", root / "qwen3_5", "dense",
+                                               tokenizer_chat_template=CHATML_TEMPLATE), "qwen3_5"),
         }
         self.data = {name: tokenize_dataset(data, path, kind="chat", max_length=128).path
                      for name, (path, _) in self.models.items()}

@@ -65,9 +65,8 @@ def test_bf16_lora_under_native_fsdp_tracks_one_process(workspace):
 def test_moe_under_ddp_matches_one_process(workspace):
     """A tiny Qwen3.5-MoE (4 experts, top 2; DDP finds unused experts). Two settings isolate what is compared:
 
-    - the router load-balancing loss is off: like in every DDP setup it is computed on each rank's own
-      micro-batch, a different statistic from one process's (measured with the config's coefficient 0.001:
-      7e-5 relative loss difference after 4 steps);
+    - the router load-balancing loss is off, to compare the data-parallel gradients alone (with it on, each
+      rank adds its share of the global micro-batch's aux loss: test_parallel_ep, router_balance.py);
     - SGD instead of AdamW: a few weights here get rounding-level gradients, which Adam scales up to
       lr-sized steps (one q_proj element differed by 8e-6 with AdamW at lr 1e-3). With SGD the weights
       show the gradients themselves: measured 7e-9 weight and 9e-8 relative loss differences.

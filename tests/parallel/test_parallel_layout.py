@@ -60,12 +60,9 @@ def test_fsdp_takes_the_ranks_left_and_dp_alone_means_ddp():
 
 
 def test_strategies_that_do_not_exist_yet_say_so(llama_config):
-    with pytest.raises(ValueError, match=r"tp_size=2 with fsdp_size=2: tensor parallelism combined .* arrives in "
-                                         r"a later release"):
-        check_parallel_config(ParallelConfig(nproc_per_node=4, tp_size=2), llama_config)
-    with pytest.raises(ValueError, match=r"sp_size=2: sequence parallelism .* arrives in a later release"):
-        check_parallel_config(ParallelConfig(nproc_per_node=2, sp_size=2), llama_config)
     assert check_parallel_config(ParallelConfig(nproc_per_node=2, tp_size=2), llama_config)["tp_size"] == 2  # pure TP
+    fsdp_x_tp = check_parallel_config(ParallelConfig(nproc_per_node=4, tp_size=2), llama_config)
+    assert (fsdp_x_tp["fsdp_size"], fsdp_x_tp["tp_size"]) == (2, 2)  # the ranks tp leaves are FSDP
     with pytest.raises(ValueError, match=r"pp_size=2: pipeline parallelism arrives with the Megatron backend"):
         check_parallel_config(ParallelConfig(nproc_per_node=2, pp_size=2, fsdp_size=2))
     assert check_parallel_config(ParallelConfig(nproc_per_node=2), llama_config)["fsdp_size"] == 2
@@ -85,3 +82,25 @@ def test_a_worker_launched_with_a_wrong_layout_fails_with_the_fix(workspace):
     with pytest.raises(WorkerError) as err:
         run_streaming(cmd, lambda line: None, timeout_s=120, env=workspace.env())
     assert "dp_size=3 × fsdp_size=1" in str(err.value) and "dp_size=2 would fit" in str(err.value)
+
+
+def test_tp_with_sequence_or_expert_parallelism_is_refused_with_the_alternative(llama_config):
+    with pytest.raises(ValueError) as err:
+        check_parallel_config(ParallelConfig(nproc_per_node=4, tp_size=2, sp_size=2), llama_config)
+    assert ("tp_size=2 with sp_size=2: tensor parallelism combined with sequence parallelism is not supported yet; "
+            "use sp_size=1 (TP composes with dp_size/fsdp_size) or tp_size=1.") in str(err.value)
+    with pytest.raises(ValueError, match=r"tp_size=2 with ep_size=2: tensor parallelism combined with expert "
+                                         r"parallelism is not supported yet"):
+        check_parallel_config(ParallelConfig(nproc_per_node=4, tp_size=2, ep_size=2))
+
+
+def test_tp_of_a_model_whose_plan_has_expert_styles_is_refused(moe_config):
+    """The tiny Qwen3.5-MoE's plan shards experts with packed_colwise / moe_tp_experts, which are not translated
+    (its q/k norms' replicated_with_grad_allreduce and linear attention's colwise_gather_output are)."""
+    with pytest.raises(ValueError) as err:
+        validate_mesh_sizes({"tp_size": 2}, world_size=2, model_config=moe_config)
+    message = str(err.value)
+    assert "tp_size=2: model_type 'qwen3_5_moe_text' has tensor-parallel styles twinkle cannot apply" in message
+    assert "layers.*.mlp.experts.gate_up_proj: packed_colwise" in message and "moe_tp_experts" in message
+    assert "replicated_with_grad_allreduce" not in message.split("supported styles")[0]
+    assert "Use tp_size=1" in message

@@ -27,7 +27,7 @@ class EvalRunConfig(BaseModel):
     prompts: list[list[dict]] = Field(default_factory=list, description="Conversations to answer greedily.")
     max_new_tokens: int = 48
     batch_size: int = 8
-    mixed_precision: str = "bf16"
+    mixed_precision: str = "auto"
     result_path: Path
 
 

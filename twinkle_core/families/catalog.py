@@ -11,7 +11,9 @@ register_family(ModelFamily(
     model_types=("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
     moe_model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
     id_pattern=r"^qwen/qwen3\.5-(?!vl)", chat_template="qwen3_5", end_of_turn=CHATML_END, thinking=True,
-    notes="hybrid gated-delta-net / full attention; thinking mode",
+    notes="hybrid gated-delta-net / full attention; thinking mode. Not on Megatron: megatron-core 0.16's "
+          "gated-delta-net layers exist only in an experimental spec that needs Transformer Engine and the "
+          "fla kernels (CUDA), and its GPTModel has no output-gated attention",
 ))
 register_family(ModelFamily(
     name="qwen2_5", title="Qwen 2.5", model_ids="Qwen/Qwen2.5-0.5B ~ Qwen/Qwen2.5-72B", model_types=("qwen2",),
@@ -21,14 +23,18 @@ register_family(ModelFamily(
 register_family(ModelFamily(
     name="deepseek_v4", title="DeepSeek V4", model_ids="deepseek-ai/DeepSeek-V4", model_types=("deepseek_v4",),
     moe_model_types=("deepseek_v4",), id_pattern=r"^deepseek-ai/deepseek-v4", chat_template="deepseek_v4",
-    end_of_turn=DEEPSEEK_END, thinking=True, notes="685B MoE; DSML tool-call encoding",
+    end_of_turn=DEEPSEEK_END, thinking=True,
+    notes="685B MoE; DSML tool-call encoding. Not on Megatron: megatron-core 0.16 has no compressed sparse "
+          "attention with a lightning indexer, hyper-connections, grouped low-rank output or hash routing",
     # o_a_proj subclasses nn.Linear but splits its input into groups: a plain LoRA wrapper breaks its shape.
     lora_exclude_modules=("o_a_proj",),
 ))
 register_family(ModelFamily(
     name="deepseek_r1", title="DeepSeek R1", model_ids="deepseek-ai/DeepSeek-R1", model_types=("deepseek_v3",),
     moe_model_types=("deepseek_v3",), id_pattern=r"^deepseek-ai/deepseek-(r1|v3)", chat_template="deepseek_r1",
-    end_of_turn=DEEPSEEK_END, thinking=True, megatron=True, notes="685B MoE (DeepSeek-V3 architecture, MLA); reasoning",
+    end_of_turn=DEEPSEEK_END, thinking=True, megatron=True,
+    notes="685B MoE (DeepSeek-V3 architecture, MLA); reasoning. The multi-token-prediction layer is not "
+          "converted (Hugging Face does not load it either)",
 ))
 register_family(ModelFamily(
     name="llama3", title="Llama 3", model_ids="meta-llama/Llama-3.3-70B-Instruct (8B–70B)", model_types=("llama",),
@@ -48,7 +54,9 @@ register_family(ModelFamily(
 register_family(ModelFamily(
     name="glm4", title="GLM-4", model_ids="THUDM/glm-4-9b-chat", model_types=("glm4",),
     id_pattern=r"^(thudm|zai-org)/glm-4", chat_template="glm4",
-    end_of_turn=("<|user|>", "<|observation|>", "<|endoftext|>"), notes="dense; a turn ends at the next role token",
+    end_of_turn=("<|user|>", "<|observation|>", "<|endoftext|>"),
+    notes="dense; a turn ends at the next role token. Not on Megatron: its sandwich norms (a norm after "
+          "attention and after the MLP) have no place in megatron-core 0.16's TransformerLayer",
 ))
 register_family(ModelFamily(
     name="internlm2_5", title="InternLM 2.5", model_ids="internlm/internlm2_5-7b-chat (7B–20B)",

@@ -1,6 +1,7 @@
 """Model classes with one set of training verbs."""
 from peft import LoraConfig
 
+from twinkle_core.models.multi_lora import MultiLoraTransformersModel
 from twinkle_core.models.transformers_model import TransformersModel
 
-__all__ = ["LoraConfig", "TransformersModel"]
+__all__ = ["LoraConfig", "MultiLoraTransformersModel", "TransformersModel"]

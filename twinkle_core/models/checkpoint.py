@@ -6,7 +6,6 @@ unsharded weights on rank 0 (all ranks take part), and rank 0 writes them with `
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -26,11 +25,17 @@ def gather_full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict
 
     `trainable_only` (adapters): the frozen base weights are neither gathered nor written. A parameter
     shared by two modules (tied embeddings) is kept under its first name only, as one process saves it.
+    Expert shards (expert parallelism) are all-gathered over their ep group and written whole.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from twinkle_core.parallel.expert import gather_expert_weights
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     state = get_model_state_dict(model, options=options)
+    experts = gather_expert_weights(model, trainable_only)
+    if state:  # rank 0 (the others get an empty state)
+        state.update(experts)
     params = dict(model.named_parameters())
     aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(params)
     keep = {name for name, p in params.items() if p.requires_grad} if trainable_only else None
@@ -40,7 +45,7 @@ def gather_full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict
 def save_checkpoint(model: torch.nn.Module, tokenizer: Any, target: Path, adapter_name: str | None,
                     state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write `target`; `state_dict` (from gather_full_state_dict) replaces the model's own weights."""
-    with atomic_dir(target) as tmp, _gathered_save(model, state_dict):
+    with atomic_dir(target) as tmp:
         if adapter_name is not None:
             # A plain PEFT directory (adapter_config.json + adapter_model.safetensors) for this adapter.
             model.save_pretrained(tmp, selected_adapters=[adapter_name], state_dict=state_dict)
@@ -54,25 +59,6 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: Any, target: Path, adapte
         tokenizer.save_pretrained(tmp)
     logger.info("saved %s to %s", "adapter " + adapter_name if adapter_name else "full model", target)
     return target
-
-
-@contextlib.contextmanager
-def _gathered_save(model: torch.nn.Module, state_dict: dict | None):
-    """Rank 0 writing an already gathered state: hide a tensor-parallel model's `distributed_config`.
-
-    Transformers' save_pretrained of a TP model is collective (it gathers and ends with a barrier that every
-    rank must enter); with the full weights gathered already, rank 0 alone writes them as one process would.
-    """
-    config = getattr(model, "config", None)
-    hidden = getattr(config, "distributed_config", None) if state_dict is not None else None
-    if hidden is None:
-        yield
-        return
-    config.distributed_config = None
-    try:
-        yield
-    finally:
-        config.distributed_config = hidden
 
 
 def load_checkpoint(

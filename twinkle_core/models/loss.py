@@ -8,16 +8,19 @@ Mixture-of-experts models whose Transformers module ships a `load_balancing_loss
 the router load-balancing (auxiliary) loss, added as `coef * aux * num_tokens`: the stepper divides
 summed losses by the trained tokens of the whole step, so each micro-batch's aux counts in proportion
 to its trained tokens, exactly like its cross-entropy (aux itself is a statistic of that micro-batch's
-routing, so it is not additive over micro-batches the way cross-entropy is).
+routing, so it is not additive over micro-batches the way cross-entropy is). With a data-parallel
+`group`, the aux is that of the global micro-batch, not of this rank's share (router_balance.py).
 """
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+
+from twinkle_core.models.router_balance import global_aux_loss_share
 
 IGNORE_INDEX = -100
 
@@ -85,36 +88,56 @@ def resolve_router_aux_loss_coef(model: torch.nn.Module, requested: float | None
     return float(requested)
 
 
+def trained_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], selected: torch.Tensor,
+                   extra: dict | None = None, positions: slice = slice(None, -1)) -> tuple[torch.Tensor, Any]:
+    """Logits at the `selected` (trained) positions, in row-major order, and the model's outputs.
+
+    `positions` are the positions that predict a target (all but the last, or all of a pre-shifted slice).
+
+    One pass over the whole batch; the output layer runs only where a label exists when the head allows it.
+    """
+    base = _unwrap(model)
+    if _has_plain_head(base):
+        outputs = base.get_decoder()(**inputs, use_cache=False, **(extra or {}))
+        hidden = outputs.last_hidden_state[:, positions][selected]
+        return base.get_output_embeddings()(hidden), outputs
+    outputs = model(**inputs, use_cache=False, **(extra or {}))
+    return outputs.logits[:, positions][selected], outputs
+
+
 def causal_lm_loss_sum(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], router_aux_loss_coef: float | None = None
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], router_aux_loss_coef: float | None = None, group=None
 ) -> LossParts:
     """Sum of next-token cross-entropy over trained tokens (+ coef * router aux loss * tokens for MoE).
 
+    The targets are `labels` shifted here, or `shift_labels`: already shifted, one per position (a sequence
+    parallel slice, whose last target is the first token of the next slice).
     `router_aux_loss_coef`: None uses the model config's coefficient; 0 skips the router aux loss.
+    `group`: the data-parallel ranks sharing the global micro-batch (None: this process has all of it).
     """
-    labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    targets = labels[:, 1:]
+    shifted = "shift_labels" in batch
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+    targets = batch["shift_labels"] if shifted else batch["labels"][:, 1:]
+    positions = slice(None) if shifted else slice(None, -1)  # the positions that predict a target
     selected = targets != IGNORE_INDEX
     num_tokens = int(selected.sum())
     base = _unwrap(model)
     coef = resolve_router_aux_loss_coef(base, router_aux_loss_coef)
     balance = _router_balance(base) if coef else None
     extra = {"output_router_logits": True} if balance else {}
-    if _has_plain_head(base):
-        outputs = base.get_decoder()(**inputs, use_cache=False, **extra)
-        hidden = outputs.last_hidden_state[:, :-1][selected]
-        logits = base.get_output_embeddings()(hidden)
-    else:
-        outputs = model(**inputs, use_cache=False, **extra)
-        logits = outputs.logits[:, :-1][selected]
+    logits, outputs = trained_logits(model, inputs, selected, extra, positions)
     loss_sum = F.cross_entropy(logits.float(), targets[selected], reduction="sum")
     if balance is None:
         return LossParts(loss_sum, num_tokens)
     func, num_experts, top_k = balance
     mask = inputs.get("attention_mask")
     # Packed batches carry a 4-D block mask that the balance function cannot read: count every row then.
-    aux = func(outputs.router_logits, num_experts, top_k, mask if mask is not None and mask.dim() == 2 else None)
+    mask = mask if mask is not None and mask.dim() == 2 else None
+    if group is not None:
+        share, aux, global_tokens = global_aux_loss_share(outputs.router_logits, num_experts, top_k, mask, num_tokens,
+                                                          group)
+        return LossParts(loss_sum + coef * share.to(loss_sum.dtype) * global_tokens, num_tokens, aux)
+    aux = func(outputs.router_logits, num_experts, top_k, mask)
     aux = aux.to(loss_sum.device, loss_sum.dtype)
     return LossParts(loss_sum + coef * aux * num_tokens, num_tokens, aux.detach())
 
@@ -128,12 +151,13 @@ class LossModule(torch.nn.Module):
     getters let Accelerate's FSDP2 layout find the model's embedding and output layers.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, group=None):
         super().__init__()
         self.model = model
+        self.group = group  # data-parallel ranks: the router aux loss is that of the global micro-batch
 
     def forward(self, batch: dict[str, torch.Tensor], router_aux_loss_coef: float | None = None) -> LossParts:
-        return causal_lm_loss_sum(self.model, batch, router_aux_loss_coef)
+        return causal_lm_loss_sum(self.model, batch, router_aux_loss_coef, self.group)
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()

@@ -49,7 +49,19 @@ def _constant(step: int, warmup: int, total: int) -> float:
     return 1.0 if ramp is None else ramp
 
 
+def lr_factor(name: str, step: int, num_warmup_steps: int, num_training_steps: int) -> float:
+    """The multiplier of the base learning rate at `step` (for optimizers that are not torch ones)."""
+    _check(name, num_warmup_steps, num_training_steps)
+    return _SCHEDULES[name](step, num_warmup_steps, num_training_steps)
+
+
 def build_scheduler(optimizer: Optimizer, name: str, num_warmup_steps: int, num_training_steps: int) -> LambdaLR:
+    _check(name, num_warmup_steps, num_training_steps)
+    schedule = _SCHEDULES[name]
+    return LambdaLR(optimizer, lambda step: schedule(step, num_warmup_steps, num_training_steps))
+
+
+def _check(name: str, num_warmup_steps: int, num_training_steps: int) -> None:
     if name not in _SCHEDULES:
         raise ValueError(f"scheduler_cls={name!r} is unknown; choose one of {sorted(_SCHEDULES)}.")
     if num_warmup_steps < 0 or num_training_steps < 1:
@@ -57,5 +69,3 @@ def build_scheduler(optimizer: Optimizer, name: str, num_warmup_steps: int, num_
             f"num_warmup_steps={num_warmup_steps}, num_training_steps={num_training_steps}: "
             "warm-up must be >= 0 and training steps >= 1."
         )
-    schedule = _SCHEDULES[name]
-    return LambdaLR(optimizer, lambda step: schedule(step, num_warmup_steps, num_training_steps))

@@ -29,6 +29,21 @@ class StepMetrics:
     trained_tokens: int
     aux_loss: float | None = None  # router load-balancing loss, token-weighted over the step (MoE only)
 
+    def as_metrics(self) -> dict[str, float]:
+        """What calculate_metric reports for a training step (aux_loss only for MoE with a router loss)."""
+        metrics = {"loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr,
+                   "tokens_per_s": self.tokens_per_s, "step": self.step}
+        if self.aux_loss is not None:
+            metrics["aux_loss"] = self.aux_loss
+        return metrics
+
+
+def held_out_metrics(loss_sum: float, tokens: float) -> dict[str, float]:
+    """Held-out loss, perplexity and token count from a summed loss over all ranks' forward_only batches."""
+    tokens = int(tokens)
+    loss = loss_sum / max(1, tokens)
+    return {"loss": loss, "perplexity": float(torch.exp(torch.tensor(loss))), "tokens": tokens}
+
 
 @dataclass
 class Stepper:
@@ -56,7 +71,17 @@ class Stepper:
         self, loss_sum: torch.Tensor, trained_tokens: int, seen_tokens: int, aux_loss: torch.Tensor | None = None
     ) -> None:
         """Back-propagate one micro-batch's summed loss and remember its token counts (and router aux loss)."""
-        self.parallel.backward(self.scaler.scale(loss_sum) if self.scaler else loss_sum)
+        self.parallel.backward(self.scaled(loss_sum))
+        self.record(loss_sum, trained_tokens, seen_tokens, aux_loss)
+
+    def scaled(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The loss as this stepper's grad scaler (fp16) wants it back-propagated."""
+        return self.scaler.scale(loss_sum) if self.scaler else loss_sum
+
+    def record(
+        self, loss_sum: torch.Tensor, trained_tokens: int, seen_tokens: int, aux_loss: torch.Tensor | None = None
+    ) -> None:
+        """Count a micro-batch whose backward ran already (several steppers sharing one backward pass)."""
         self._micro += 1
         self._loss_sum += float(loss_sum.detach())
         self._tokens += trained_tokens
@@ -79,7 +104,7 @@ class Stepper:
         tokens = int(tokens)
         grads = [p.grad for p in self.parameters if p.grad is not None]
         scale = self.parallel.grad_average_size / max(1, tokens)
-        # foreach ops refuse a mix of DTensor and plain gradients (tensor parallelism): scale each kind apart
+        # foreach ops refuse a mix of plain gradients and DTensors on different meshes (tp, fsdp, fsdp × tp)
         for same_kind in _by_tensor_type(grads):
             torch._foreach_mul_(same_kind, scale)
         norm = self.parallel.clip_grad_norm_(self.parameters, max_grad_norm or float("inf"))
@@ -112,7 +137,7 @@ class Stepper:
 
 
 def _by_tensor_type(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[type, list[torch.Tensor]] = {}
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for tensor in tensors:
-        groups.setdefault(type(tensor), []).append(tensor)
+        groups.setdefault((type(tensor), id(getattr(tensor, "device_mesh", None))), []).append(tensor)
     return list(groups.values())

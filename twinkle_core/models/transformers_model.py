@@ -10,9 +10,12 @@
     model.save("default", "out/")
 
 Under torchrun (WORLD_SIZE > 1) the model joins the process group (gloo on CPU, nccl on GPU) and trains
-with the strategy the mesh implies (twinkle_core.parallel): DDP, FSDP via Accelerate, or native FSDP.
+with the strategy the mesh implies (twinkle_core.parallel): DDP, FSDP via Accelerate, native FSDP, or
+tensor parallelism (alone or under FSDP), applied in set_optimizer.
 `forward_backward` and `forward_only` take this process's LOCAL batch (its share of the global batch, see
 twinkle_core.parallel.local_rows); losses, metrics and the update are those of the global batch.
+With sp_size > 1 the sp ranks get the same rows, and each runs its slice of every sequence (attention
+switched to Ulysses at load, batches sliced here: twinkle_core.parallel.sequence).
 """
 from __future__ import annotations
 
@@ -32,10 +35,11 @@ from twinkle_core.models.batches import count_input_tokens, to_batch
 from twinkle_core.models.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
 from twinkle_core.models.loss import LossModule, resolve_router_aux_loss_coef
 from twinkle_core.models.schedulers import build_scheduler
-from twinkle_core.models.stepper import Stepper
+from twinkle_core.models.stepper import Stepper, held_out_metrics
 from twinkle_core.parallel import DeviceMesh, build_strategy, close_distributed, is_main_process, parse_strategy
 from twinkle_core.parallel.mesh import validate_mesh_sizes
 from twinkle_core.parallel.process_group import barrier
+from twinkle_core.parallel.sequence import SequenceParallel
 from twinkle_core.precision import resolve_precision
 from twinkle_core.precision.fp8 import convert_linears_to_fp8
 
@@ -70,7 +74,7 @@ class TransformersModel:
     def __init__(
         self,
         model_id: str,
-        mixed_precision: str = "bf16",
+        mixed_precision: str = "auto",
         strategy: str = "accelerate",
         device_mesh: Any = None,
         max_length: int | None = None,
@@ -91,19 +95,17 @@ class TransformersModel:
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         ensure_chat_template(self.tokenizer, self.family.chat_template)  # the family's when it ships none
         from_pretrained_kwargs.setdefault("dtype", self.precision.trainable_dtype)
-        if self.mesh is not None and self.mesh.size("tp") > 1:  # weights load as tp-sharded DTensors
-            # Transformers 5.24 builds its TP mesh from the config (a device_mesh argument is ignored); pure
-            # TP only (world == tp_size), so its tp dim is our mesh's.
-            from transformers.distributed import DistributedConfig
-
-            from_pretrained_kwargs.setdefault("distributed_config", DistributedConfig(tp_plan="auto",
-                                                                                      tp_size=self.mesh.size("tp")))
+        # Loaded whole on every rank, also under tensor parallelism: the strategy shards it in set_optimizer.
         self.model = AutoModelForCausalLM.from_pretrained(self.path, **from_pretrained_kwargs).to(self.device)
         if self.precision.fp8_linears:
             convert_linears_to_fp8(self.model)
         self.router_aux_loss_coef = resolve_router_aux_loss_coef(self.model, router_aux_loss_coef)
         if self.mesh is not None:
             validate_mesh_sizes(self.mesh.sizes, self.mesh.size(), self.model.config)
+        self.sequence = None  # sequence parallelism: this rank's slice of each sequence
+        if self.mesh is not None and self.mesh.size("sp") > 1:
+            self.sequence = SequenceParallel.from_mesh(self.mesh)
+            self.sequence.apply(self.model)
         self.parallel = build_strategy(strategy, self.mesh, self.precision)
         self._runner: torch.nn.Module | None = None  # the loss module as a multi-process strategy wrapped it
         self.adapter_name: str | None = None
@@ -121,10 +123,6 @@ class TransformersModel:
                 "(use MultiLoraTransformersModel for several)."
             )
         self._check_not_wrapped("add_adapter_to_model")
-        if self.mesh is not None and self.mesh.size("tp") > 1:
-            from twinkle_core.parallel.tp import lora_refusal
-
-            raise ValueError(lora_refusal())
         if config.target_modules is None:
             config.target_modules = self.family.lora_target_modules
         if config.exclude_modules is None and self.family.lora_exclude_modules:
@@ -179,17 +177,19 @@ class TransformersModel:
         stepper.scheduler = build_scheduler(stepper.optimizer, scheduler_cls, num_warmup_steps, num_training_steps)
 
     def forward_backward(self, inputs: list[dict] | dict) -> float:
-        """Forward and backward one local micro-batch; return its mean token loss (this rank's share)."""
+        """Forward and backward one local micro-batch; return the mean token loss of this rank's rows."""
         stepper = self._require_optimizer("forward_backward")
         self.model.train()
         batch = self._batch(inputs)
+        seen_tokens = count_input_tokens(batch)  # of the rows (sp ranks share them, like tp ranks)
+        batch = self._slice_sequences(batch)
         stepper.start_micro_batch()
         runner = self._loss_module()
         with self.parallel.gradient_sync(runner, enabled=stepper.is_last_micro_batch()):
             with self.precision.autocast(self.device.type):
                 parts = runner(batch, self.router_aux_loss_coef)
-            stepper.backward(parts.loss_sum, parts.num_tokens, count_input_tokens(batch), parts.aux_loss)
-        return float(parts.loss_sum.detach()) / max(1, parts.num_tokens)
+            stepper.backward(parts.loss_sum, parts.num_tokens, seen_tokens, parts.aux_loss)
+        return self._rows_loss(float(parts.loss_sum.detach()), parts.num_tokens)
 
     def clip_grad_and_step(self, max_grad_norm: float | None = 1.0) -> bool:
         """Clip and step when the accumulation boundary is reached; return whether a step was taken."""
@@ -203,13 +203,13 @@ class TransformersModel:
     def forward_only(self, inputs: list[dict] | dict) -> float:
         """Evaluation forward; accumulates the held-out loss reported by calculate_metric(False)."""
         self.model.eval()
-        batch = self._batch(inputs)
+        batch = self._slice_sequences(self._batch(inputs))
         with self.precision.autocast(self.device.type):
             # Cross-entropy only (coefficient 0): the held-out loss and perplexity exclude the router aux loss.
             parts = self._loss_module()(batch, 0.0)
-        self._eval[0] += float(parts.loss_sum)
+        self._eval[0] += float(parts.loss_sum)  # this rank's tokens: calculate_metric sums over every rank
         self._eval[1] += parts.num_tokens
-        return float(parts.loss_sum) / max(1, parts.num_tokens)
+        return self._rows_loss(float(parts.loss_sum), parts.num_tokens)
 
     def calculate_metric(self, is_training: bool = True) -> dict[str, float]:
         """Training: the last step's loss, grad_norm, lr, tokens_per_s (+ aux_loss for MoE with a router loss).
@@ -218,18 +218,10 @@ class TransformersModel:
         """
         if not is_training:
             loss_sum, tokens = self.parallel.all_reduce_sum(self._eval)
-            tokens = int(tokens)
             self._eval = [0.0, 0]
-            loss = loss_sum / max(1, tokens)
-            return {"loss": loss, "perplexity": float(torch.exp(torch.tensor(loss))), "tokens": tokens}
+            return held_out_metrics(loss_sum, tokens)
         last = self._require_optimizer("calculate_metric").last
-        if last is None:
-            return {}
-        metrics = {"loss": last.loss, "grad_norm": last.grad_norm, "lr": last.lr,
-                   "tokens_per_s": last.tokens_per_s, "step": last.step}
-        if last.aux_loss is not None:
-            metrics["aux_loss"] = last.aux_loss
-        return metrics
+        return {} if last is None else last.as_metrics()
 
     # ----- inference -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -240,6 +232,9 @@ class TransformersModel:
         if self.parallel.is_sharded and self._runner is not None:
             raise RuntimeError(f"generate needs the whole model, but it is sharded over {self.mesh.size()} processes "
                                f"({self.parallel.name}); save() it and generate in one process.")
+        if self.sequence is not None:
+            raise RuntimeError(f"generate: attention is split over the sp_size={self.sequence.size} ranks for "
+                               "training; save() the model and generate in one process.")
         self.model.eval()
         ids = torch.tensor([encode_prompt(self.tokenizer, messages)], device=self.device)
         with self.precision.autocast(self.device.type):
@@ -273,6 +268,11 @@ class TransformersModel:
             self.adapter_name = adapter
             self._apply_storage_dtypes()
 
+    def training_parts(self) -> tuple[torch.nn.Module, Stepper]:
+        """The module the optimizer trains and its stepper: what a resumable training state saves
+        (twinkle_core.train.resume)."""
+        return self._loss_module(), self._require_optimizer("training_parts")
+
     def close(self) -> None:
         """Leave the process group (end of a worker); nothing to do in one process."""
         close_distributed()
@@ -280,7 +280,9 @@ class TransformersModel:
     # ----- helpers ---------------------------------------------------------------------------------
     def _loss_module(self) -> torch.nn.Module:
         """The loss as one module call: wrapped by the strategy once set_optimizer ran in several processes."""
-        return self._runner or LossModule(self.model)
+        # every rank whose tokens count (dp × fsdp × sp) shares the router statistics of the global batch
+        group = self.parallel.group if self.parallel.grad_average_size > 1 else None
+        return self._runner or LossModule(self.model, group)
 
     def _check_not_wrapped(self, verb: str) -> None:
         if self.parallel.is_distributed and self._runner is not None:
@@ -289,6 +291,19 @@ class TransformersModel:
 
     def _batch(self, inputs: list[dict] | dict) -> dict[str, torch.Tensor]:
         return to_batch(inputs, self.tokenizer, self.device, self.max_length)
+
+    def _slice_sequences(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Sequence parallelism: this rank's slice of every row (unchanged otherwise)."""
+        if self.sequence is None:
+            return batch
+        pad = self.tokenizer.pad_token_id
+        return self.sequence.shard(batch, self.tokenizer.eos_token_id if pad is None else pad)
+
+    def _rows_loss(self, loss_sum: float, num_tokens: int) -> float:
+        """The token-mean loss of this rank's rows (under sequence parallelism: of all their slices)."""
+        if self.sequence is not None:
+            loss_sum, num_tokens = self.sequence.sum([loss_sum, num_tokens])
+        return loss_sum / max(1, num_tokens)
 
     def _require_optimizer(self, verb: str) -> Stepper:
         if self.stepper is None:

@@ -14,6 +14,7 @@ replaced by our own `fully_shard` calls. The CPU tests therefore exercise the co
 the accelerate and native strategies stay two real implementations that are checked against each other.
 The mixed precision policy is ours (`fsdp.mixed_precision_policy`: bf16 compute, fp32 gradient reduction)
 and the Accelerator itself runs with mixed_precision='no', so autocast is applied once, by the model.
+Expert parallelism: the sharded experts modules are the plugin's `ignored_modules` (FSDP2 ignored_params).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import FSDPModule
 
+from twinkle_core.parallel.expert import sharded_experts
 from twinkle_core.parallel.fsdp import decoder_layer_classes, mixed_precision_policy
 from twinkle_core.parallel.process_group import comm_device_type
 from twinkle_core.parallel.strategy import (BuildOptimizer, DataParallelStrategy, norm_as_float, broadcast_trainable,
@@ -39,8 +41,11 @@ class AccelerateFSDP(DataParallelStrategy):
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=decoder_layer_classes(module), reshard_after_forward=True,
             mixed_precision_policy=mixed_precision_policy(self.precision), cpu_ram_efficient_loading=False,
+            ignored_modules=sharded_experts(module) or None,
         )
-        config = ParallelismConfig(dp_replicate_size=self.mesh.size("dp"), dp_shard_size=self.mesh.size("fsdp"))
+        # sp ranks shard too (they hold other tokens): Accelerate's dp_shard ranks are then our fsdp × sp ranks
+        config = ParallelismConfig(dp_replicate_size=self.mesh.size("dp"),
+                                   dp_shard_size=self.mesh.size("fsdp") * self.mesh.size("sp"))
         if comm_device_type() == "cuda":
             return Accelerator(mixed_precision="no", fsdp_plugin=plugin, parallelism_config=config)
         from twinkle_core.parallel.accelerate_cpu import enable_fsdp_on_cpu

@@ -1,9 +1,12 @@
 """Parallel settings of a run, validated before any process starts.
 
-Data parallelism (DDP, FSDP via Accelerate or natively, HSDP) runs on one machine or several, and pure
-tensor parallelism (tp_size = world size); sp_size, ep_size, sequence_parallel and TP combined with other
-dims are validated against the model already, and fail with a clear "arrives in" message until their
-strategies exist. `check_parallel_config` is what the flow calls.
+Data parallelism (DDP, FSDP via Accelerate or natively, HSDP) runs on one machine or several; tensor
+parallelism alone or with FSDP/HSDP (FSDP × TP); sequence parallelism (sp_size, Ulysses) alongside
+DDP/FSDP; expert parallelism (ep_size > 1, MoE models, over the data-parallel ranks). TP with SP or EP is
+refused with a clear "not supported yet". `check_parallel_config` is what the flow calls.
+
+`sequence_parallel=True` (Transformers backend) is a shorthand: with sp_size left at 1, the sequences are
+split over every rank that dp_size, fsdp_size and tp_size leave (all of them when only it is given).
 """
 from __future__ import annotations
 
@@ -29,15 +32,15 @@ def parse_strategy(value: str | Strategy) -> Strategy:
 class ParallelConfig(BaseModel):
     """How the model and data are split across processes."""
 
-    strategy: Strategy = Field(Strategy.accelerate, description="FSDP manager: 'accelerate' or 'native_fsdp'.")
+    strategy: Strategy = Field(Strategy.accelerate, description="FSDP manager: 'accelerate' or 'native_fsdp' (with tp_size > 1 always native).")
     nproc_per_node: int = Field(1, ge=1, description="Worker processes on this machine (torchrun).")
     dp_size: int = Field(1, ge=1, description="Data-parallel replicas: DDP when fsdp_size is 1, else the replicas of HSDP.")
     fsdp_size: int | None = Field(None, ge=1, description="Ranks one model is sharded over (FSDP); empty: all ranks left after dp, sp and tp.")
     sp_size: int = Field(1, ge=1, description="Sequence-parallel size: ranks one sequence is split over (Ulysses).")
-    tp_size: int = Field(1, ge=1, description="Tensor-parallel size.")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel size (with fsdp/dp sizes > 1: FSDP × TP, sharded by fully_shard).")
     pp_size: int = Field(1, ge=1, description="Pipeline-parallel size (Megatron backend).")
     ep_size: int = Field(1, ge=1, description="Expert-parallel size (MoE families).")
-    sequence_parallel: bool = Field(False, description="Split long sequences across the tensor/sequence group.")
+    sequence_parallel: bool = Field(False, description="Split sequences over the ranks that dp, fsdp and tp leave (sets sp_size when it is 1).")
     # several machines: one torchrun agent per machine, meeting at a c10d rendezvous
     nnodes: int = Field(1, ge=1, description="Machines in the run; each runs one torchrun agent with nproc_per_node workers.")
     node_rank: int = Field(0, ge=0, description="This machine's index, 0 .. nnodes-1, different on each machine.")
@@ -60,9 +63,11 @@ class ParallelConfig(BaseModel):
         FSDP over N processes and `dp_size=N` alone means DDP.
         """
         world_size = self.world_size() if world_size is None else world_size
-        fsdp = self.fsdp_size or max(1, world_size // (self.dp_size * self.sp_size * self.tp_size))
-        return dict(dp_size=self.dp_size, fsdp_size=fsdp, tp_size=self.tp_size, ep_size=self.ep_size,
-                    sp_size=self.sp_size)
+        sp = self.sp_size
+        if self.sequence_parallel and sp == 1:
+            sp = max(1, world_size // (self.dp_size * (self.fsdp_size or 1) * self.tp_size))
+        fsdp = self.fsdp_size or max(1, world_size // (self.dp_size * sp * self.tp_size))
+        return dict(dp_size=self.dp_size, fsdp_size=fsdp, tp_size=self.tp_size, ep_size=self.ep_size, sp_size=sp)
 
 
 def check_launch(nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
@@ -80,29 +85,22 @@ def check_launch(nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None
                              "port, e.g. 10.0.0.1:29500.")
 
 
-_ARRIVES_LATER = {
-    "tp_size": "tensor parallelism",
-    "sp_size": "sequence parallelism",
-    "ep_size": "expert parallelism",
-    "sequence_parallel": "sequence parallelism",
-}
-
-
 def check_implemented(sizes: dict[str, int], pp_size: int = 1, sequence_parallel: bool = False) -> None:
-    """Reject layouts whose strategy is not built yet (SP, EP, TP combined with others; PP is Megatron's).
+    """Reject layouts whose strategy is not built (TP with SP or EP; PP is Megatron's).
 
-    Pure tensor parallelism (tp_size = world size, every other size 1) is supported (twinkle_core.parallel.tp).
+    Tensor parallelism alone or with dp/fsdp (FSDP × TP) is supported (twinkle_core.parallel.tp), sequence
+    parallelism with DDP/FSDP (twinkle_core.parallel.sequence), and expert parallelism over DDP/FSDP
+    (twinkle_core.parallel.expert).
     """
+    from twinkle_core.parallel.expert import ep_unsupported
+    from twinkle_core.parallel.sequence import sp_layout_problems
     from twinkle_core.parallel.tp import tp_unsupported
 
-    wanted = {name: value for name, value in sizes.items() if name in _ARRIVES_LATER and value != 1}
-    tp_problems = tp_unsupported(sizes)
-    wanted.pop("tp_size", None)  # pure TP runs; TP with anything else is reported by tp_unsupported
-    if sequence_parallel:
-        wanted["sequence_parallel"] = True
-    problems = [f"{name}={value}: {_ARRIVES_LATER[name]} for the Transformers backend arrives in a later release "
-                f"(issue 4, TP/SP/EP part); use {name}={'False' if name == 'sequence_parallel' else 1}."
-                for name, value in wanted.items()] + tp_problems
+    problems = tp_unsupported(sizes) + sp_layout_problems(sizes) + ep_unsupported(sizes)
+    if sequence_parallel and sizes.get("sp_size", 1) == 1:
+        problems.append("sequence_parallel=True leaves no rank to split sequences over (sp_size=1: dp_size × "
+                        "fsdp_size × tp_size already use every process); give sp_size > 1, leave fsdp_size "
+                        "empty, or set sequence_parallel=False.")
     if pp_size != 1:
         problems.append(f"pp_size={pp_size}: pipeline parallelism arrives with the Megatron backend; "
                         "use pp_size=1 with the Transformers backend.")
@@ -123,3 +121,12 @@ def check_parallel_config(parallel: ParallelConfig, model_config=None, world_siz
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
+
+def worker_mesh(parallel: ParallelConfig):
+    """The DeviceMesh `parallel` describes for the processes torchrun started (None for one process)."""
+    from twinkle_core.parallel.mesh import DeviceMesh
+
+    world_size = world_size_from_env()
+    sizes = parallel.mesh_sizes(world_size)
+    check_implemented(sizes, parallel.pp_size, parallel.sequence_parallel)
+    return DeviceMesh.from_sizes(**sizes) if world_size > 1 else None

@@ -6,6 +6,9 @@ exactly the global batch one process would, so the token-normalised update is th
 """
 from __future__ import annotations
 
+import random
+from typing import Iterator
+
 from twinkle_core.data.encode import IGNORE_INDEX
 
 
@@ -24,3 +27,22 @@ def local_rows(rows: list[dict], rank: int, world: int) -> list[dict]:
     if share:
         return share
     return [{**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"])}]
+
+
+
+def local_micro_batches(examples: list[dict], batch_size: int, seed: int, rank: int, world: int,
+                        skip: int = 0) -> Iterator[list[dict]]:
+    """This rank's rows of every global micro-batch: a fresh seeded shuffle each epoch, forever.
+
+    `batch_size` rows make one global micro-batch (the caller's step count ends the loop). The first `skip`
+    micro-batches (trained on before a resume) are passed over.
+    """
+    order_rng = random.Random(seed)
+    while True:
+        order = list(range(len(examples)))
+        order_rng.shuffle(order)
+        for start in range(0, len(order), batch_size):
+            if skip > 0:
+                skip -= 1
+                continue
+            yield local_rows([examples[i] for i in order[start:start + batch_size]], rank, world)

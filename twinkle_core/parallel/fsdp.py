@@ -13,12 +13,15 @@ fp32 LoRA weights share a unit: FSDP only needs the *trainable* ones to agree on
 LoRA: only the adapter weights require grad, and `fully_shard` keeps each original parameter as its own
 DTensor with its own `requires_grad` (no flat parameter, so nothing like FSDP1's use_orig_params is needed):
 the optimizer sees only the adapters' shards, frozen shards get no gradient.
+
+Expert parallelism: the expert shards are `ignored_params` of every unit (plain tensors, each rank's own).
 """
 from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from twinkle_core.parallel.expert import expert_parameters
 from twinkle_core.parallel.strategy import BuildOptimizer, DataParallelStrategy, broadcast_trainable, trainable
 
 
@@ -61,6 +64,8 @@ class NativeFSDP(DataParallelStrategy):
         if not isinstance(module, FSDPModule):
             broadcast_trainable(module)
             kwargs = dict(mesh=self.shard_mesh(), mp_policy=mixed_precision_policy(self.precision))
+            if expert_parameters(module):
+                kwargs["ignored_params"] = set(expert_parameters(module))
             for layer in decoder_layers(module):
                 fully_shard(layer, **kwargs)
             fully_shard(module, **kwargs)

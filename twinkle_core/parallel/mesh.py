@@ -7,6 +7,10 @@ World size = dp × fsdp × sp × tp: `dp` replicates the model (DDP, or the repl
 shards it, `sp` splits sequences and `tp` splits weight matrices. Expert parallelism does not add
 ranks: the experts are sharded over `ep` of the data-parallel (dp × fsdp) ranks, as in Megatron and
 torchtitan, so `ep` must divide dp × fsdp.
+
+The loader deals rows out over dp × fsdp (`data_parallel_*`); gradients and token counts are summed over
+dp × fsdp × sp (`token_parallel_*`) and FSDP shards over fsdp × sp (`shard_dim`): sp ranks hold different
+tokens of the same rows.
 """
 from __future__ import annotations
 
@@ -66,6 +70,14 @@ def _model_problems(sizes: dict[str, int], model_config: Any) -> list[str]:
     if heads and sizes["sp_size"] > 1 and heads % sizes["sp_size"]:
         problems.append(f"sp_size={sizes['sp_size']} must divide num_attention_heads={heads} (each rank attends "
                         f"with a share of the heads); sp_size can be one of {_divisors(heads)}.")
+    if sizes["sp_size"] > 1:
+        from twinkle_core.parallel.sequence import sp_model_problems
+
+        problems += sp_model_problems(config, sizes["sp_size"])
+    if sizes["tp_size"] > 1:
+        from twinkle_core.parallel.tp_plan import tp_plan_problems
+
+        problems += tp_plan_problems(config, sizes["tp_size"])
     experts = _num_experts(config)
     if sizes["ep_size"] > 1 and experts is None:
         problems.append(f"ep_size={sizes['ep_size']}: model_type {getattr(config, 'model_type', '?')!r} has no "
@@ -73,6 +85,10 @@ def _model_problems(sizes: dict[str, int], model_config: Any) -> list[str]:
     elif sizes["ep_size"] > 1 and experts % sizes["ep_size"]:
         problems.append(f"ep_size={sizes['ep_size']} must divide the number of experts ({experts}); "
                         f"ep_size can be one of {_divisors(experts)}.")
+    elif sizes["ep_size"] > 1:
+        from twinkle_core.parallel.expert import ep_model_problem
+
+        problems += [p for p in [ep_model_problem(getattr(config, "model_type", None), sizes["ep_size"])] if p]
     return problems
 
 
@@ -151,8 +167,29 @@ class DeviceMesh:
 
     @functools.cached_property
     def data_parallel_group(self) -> Any:
-        """The process group of the ranks that hold different data (for token counts and losses)."""
+        """The process group of the ranks that hold different rows of the batch."""
         return self.torch_mesh["dp", "fsdp"]._flatten("dp_fsdp").get_group()
+
+    @property
+    def token_parallel_size(self) -> int:
+        """Ranks that hold different tokens: dp × fsdp × sp (sp ranks hold slices of the same rows)."""
+        return self.data_parallel_size * self.size("sp")
+
+    @functools.cached_property
+    def token_parallel_group(self) -> Any:
+        """The group gradients, token counts and losses are summed over: dp × fsdp × sp."""
+        if self.size("sp") == 1:
+            return self.data_parallel_group
+        return self.torch_mesh["dp", "fsdp", "sp"]._flatten("dp_fsdp_sp").get_group()
+
+    @functools.cached_property
+    def shard_dim(self) -> str:
+        """The mesh dim FSDP shards over: `fsdp`, or fsdp × sp flattened (every rank with different tokens
+        reduces gradients, like torchtitan's dp_shard_cp)."""
+        if self.size("sp") == 1:
+            return "fsdp"
+        self.torch_mesh["fsdp", "sp"]._flatten("fsdp_sp")
+        return "fsdp_sp"
 
     def __repr__(self) -> str:
         return f"DeviceMesh({', '.join(f'{k}={v}' for k, v in self.sizes.items())})"

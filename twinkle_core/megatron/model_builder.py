@@ -1,0 +1,230 @@
+"""Hugging Face config → megatron-core `TransformerConfig` + local layer spec → `GPTModel` (one rank's part).
+
+One table (`ARCHITECTURES`) says, per Hugging Face `model_type`, what megatron-core needs beyond the
+shapes every decoder shares: q/k/v biases, q/k norms, multi-latent attention, mixture-of-experts. The
+shapes come from the HF config. The model is built with megatron's *local* spec (plain torch layers; for MLA with
+`MLACoreAttention`, as megatron's local core attention cannot take MLA's head widths), which runs on CPU
+in the CPU device mode and on GPU; weights are left uninitialized by default because they are
+loaded from a checkpoint (the bridge, or a dist checkpoint) right after.
+
+Rotary embeddings: megatron computes the plain RoPE frequencies itself; for the scaled variants HF uses
+(llama3, linear, dynamic NTK at lengths below its threshold) the builder installs the inverse frequencies
+HF computes, so both models rotate by the same angles. Variants that also rescale attention (YaRN outside
+MLA, longrope) are refused with the reason.
+
+Issue 6 (training on megatron-core) builds its models through `build_gpt_model` too.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from twinkle_core.megatron.parallel_state import MegatronParallel
+
+VOCAB_DIVISIBLE_BY = 128  # megatron's default --make-vocab-size-divisible-by, times tp
+
+
+class UnsupportedArchitectureError(ValueError):
+    """A Hugging Face architecture (or a setting of one) megatron-core's GPTModel cannot express."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a Hugging Face model_type needs from megatron-core beyond the shared decoder shapes."""
+
+    model_type: str
+    qkv_bias: bool | str = False  # True, False, or the HF config attribute that says
+    qk_layernorm: bool = False  # Qwen3-style RMSNorm on each q and k head
+    mla: bool = False  # DeepSeek multi-latent attention
+    moe: bool = False
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
+    Architecture("llama", qkv_bias="attention_bias"),
+    Architecture("mistral"),
+    Architecture("qwen2", qkv_bias=True),
+    Architecture("qwen3", qk_layernorm=True),
+    Architecture("deepseek_v3", mla=True, moe=True),
+)}
+
+
+def architecture_for(hf_config) -> Architecture:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"model_type={model_type!r} has no megatron-core mapping; supported model_types: "
+            f"{sorted(ARCHITECTURES)}.")
+    return ARCHITECTURES[model_type]
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """The vocabulary megatron holds: padded so each tp rank gets an equal, aligned slice."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def _rope_parameters(hf_config) -> dict:
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params
+
+
+def _check_dense(hf_config, arch: Architecture) -> None:
+    problems = []
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf_config.hidden_act!r} (megatron's gated MLP here uses silu)")
+    if getattr(hf_config, "mlp_bias", False):
+        problems.append("mlp_bias=True (MLP biases are not mapped)")
+    if arch.qkv_bias == "attention_bias" and getattr(hf_config, "attention_bias", False):
+        # Llama's attention_bias also puts a bias on o_proj, which megatron only has with every linear biased.
+        problems.append("attention_bias=True on a Llama-type model (o_proj bias is not mapped)")
+    if arch.moe and getattr(hf_config, "scoring_func", "sigmoid") != "sigmoid":
+        problems.append(f"scoring_func={hf_config.scoring_func!r} (the mapping covers DeepSeek-V3's sigmoid router)")
+    if arch.moe and not getattr(hf_config, "norm_topk_prob", True):
+        problems.append("norm_topk_prob=False (megatron's sigmoid router always normalizes its top-k weights)")
+    if arch.mla and not getattr(hf_config, "rope_interleave", True):
+        problems.append("rope_interleave=False (megatron's MLA always de-interleaves the rotary dimensions)")
+    if problems:
+        raise UnsupportedArchitectureError(f"{hf_config.model_type}: " + "; ".join(problems) + ".")
+
+
+def _mla_settings(hf_config) -> dict:
+    """DeepSeek multi-latent attention: low-rank q and kv, a decoupled rotary part, YaRN rope."""
+    rope = _rope_parameters(hf_config)
+    yarn = rope["rope_type"] == "yarn"
+    if rope["rope_type"] not in ("yarn", "default"):
+        raise UnsupportedArchitectureError(f"{hf_config.model_type}: rope_type={rope['rope_type']!r} with "
+                                           "multi-latent attention; megatron's MLA has default and yarn.")
+    return dict(
+        multi_latent_attention=True, q_lora_rank=hf_config.q_lora_rank, kv_lora_rank=hf_config.kv_lora_rank,
+        qk_head_dim=hf_config.qk_nope_head_dim, qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
+        v_head_dim=hf_config.v_head_dim, rope_type="yarn" if yarn else "rope", rotary_base=rope["rope_theta"],
+        rotary_scaling_factor=rope.get("factor", 1.0),
+        original_max_position_embeddings=rope.get("original_max_position_embeddings", 4096),
+        beta_fast=rope.get("beta_fast", 32.0), beta_slow=rope.get("beta_slow", 1.0),
+        mscale=rope.get("mscale", 1.0), mscale_all_dim=rope.get("mscale_all_dim", 0.0) or 0.0,
+    )
+
+
+def _moe_settings(hf_config) -> dict:
+    """DeepSeek-V3 routing: sigmoid scores plus a balance bias, group-limited top-k, scaled, shared experts."""
+    dense_first = getattr(hf_config, "first_k_dense_replace", 0)
+    return dict(
+        num_moe_experts=hf_config.n_routed_experts, moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=(hf_config.n_shared_experts * hf_config.moe_intermediate_size
+                                             if hf_config.n_shared_experts else None),
+        moe_layer_freq=[0] * dense_first + [1] * (hf_config.num_hidden_layers - dense_first),
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=hf_config.routed_scaling_factor,
+        moe_router_num_groups=hf_config.n_group, moe_router_group_topk=hf_config.topk_group,
+        # Converting and checking needs no balancing loss; training (issue 6) sets its own.
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False, moe_router_dtype="fp32",
+    )
+
+
+def check_layout(hf_config, layout: MegatronParallel) -> None:
+    """Refuse a layout megatron cannot split this model into, naming the option and what would work."""
+    problems = []
+    groups = hf_config.num_key_value_heads
+    if groups % layout.tp:
+        divisors = [n for n in range(1, groups + 1) if groups % n == 0]
+        problems.append(f"tp={layout.tp} does not divide the {groups} key/value heads (megatron splits whole "
+                        f"query groups); use tp in {divisors}")
+    experts = getattr(hf_config, "n_routed_experts", None) if architecture_for(hf_config).moe else None
+    if layout.ep > 1 and not experts:
+        problems.append(f"ep={layout.ep} needs a mixture-of-experts model and this one has no experts; use ep=1")
+    elif experts and experts % layout.ep:
+        problems.append(f"ep={layout.ep} does not divide the {experts} routed experts; use an ep that does")
+    if hf_config.num_hidden_layers % layout.pp:
+        problems.append(f"pp={layout.pp} does not divide the {hf_config.num_hidden_layers} layers; use a pp "
+                        f"that does")
+    if problems:
+        raise UnsupportedArchitectureError(f"{hf_config.model_type}: " + "; ".join(problems) + ".")
+
+
+def transformer_config_from_hf(hf_config, layout: MegatronParallel = MegatronParallel(),
+                               dtype: torch.dtype = torch.float32, init_weights: bool = False):
+    """The megatron `TransformerConfig` that computes what the HF model computes, split as `layout` says."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    arch = architecture_for(hf_config)
+    _check_dense(hf_config, arch)
+    check_layout(hf_config, layout)
+    qkv_bias = getattr(hf_config, arch.qkv_bias, False) if isinstance(arch.qkv_bias, str) else arch.qkv_bias
+    extra = {**(_mla_settings(hf_config) if arch.mla else {}), **(_moe_settings(hf_config) if arch.moe else {})}
+    config_class = MLATransformerConfig if arch.mla else TransformerConfig
+    return config_class(
+        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads, num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=head_dim(hf_config), ffn_hidden_size=hf_config.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=bool(qkv_bias),
+        # MLA's q/kv latent norms are its "qk layernorm" in megatron's spec.
+        qk_layernorm=arch.qk_layernorm or arch.mla, hidden_dropout=0.0, attention_dropout=0.0,
+        # The fused kernels are CUDA (or Apex/TE) code; the plain ones compute the same.
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep, sequence_parallel=layout.sequence_parallel,
+        use_cpu_initialization=True, perform_initialization=init_weights,
+        **extra,
+    )
+
+
+def _hf_inverse_frequencies(hf_config) -> torch.Tensor | None:
+    """HF's inverse RoPE frequencies where they differ from plain RoPE (None: megatron's own are HF's)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = _rope_parameters(hf_config)["rope_type"]
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise UnsupportedArchitectureError(f"rope_type={rope_type!r} is not known to transformers.")
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    if attention_scaling != 1.0:
+        raise UnsupportedArchitectureError(
+            f"rope_type={rope_type!r} rescales attention by {attention_scaling}, which megatron's GPTModel "
+            f"RoPE does not; supported: default, llama3, linear, dynamic.")
+    return inv_freq.float()
+
+
+def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dtype: torch.dtype = torch.float32,
+                    init_weights: bool = False):
+    """This rank's part of the megatron `GPTModel` for `hf_config` (megatron's groups must be initialized)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from twinkle_core.megatron.mla_core_attention import MLACoreAttention
+
+    config = transformer_config_from_hf(hf_config, layout, dtype, init_weights)
+    rope = _rope_parameters(hf_config)
+    # The block spec gives each layer its own spec: dense or MoE as moe_layer_freq says.
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if config.multi_latent_attention:
+        for layer_spec in spec.layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(hf_config.vocab_size, layout.tp),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope", rotary_base=rope["rope_theta"],
+        rotary_percent=rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)),
+    )
+    inv_freq = None if config.multi_latent_attention else _hf_inverse_frequencies(hf_config)
+    if inv_freq is not None:
+        model.rotary_pos_emb.inv_freq = inv_freq
+    return model

@@ -1,0 +1,65 @@
+"""megatron-core's process groups (tensor / pipeline / expert parallel) over the job's default group.
+
+The default group is joined as everywhere else in the project (`twinkle_core.parallel.init_distributed`:
+gloo on CPU, nccl on GPU, a private in-memory store for one process), then megatron's `parallel_state`
+carves its groups out of it and seeds the tensor-parallel RNG tracker. On a machine without CUDA this also
+switches on the CPU device mode, which megatron's group and RNG setup already need.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from twinkle_core.megatron.cpu_device import enable_cpu_device_mode
+from twinkle_core.parallel.process_group import init_distributed
+
+
+@dataclass(frozen=True)
+class MegatronParallel:
+    """The megatron layout: tp × pp (× dp, implied) ranks; experts split ep-ways across the dp × tp ranks."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False  # split the activations outside attention/MLP along the sequence (needs tp)
+
+    def check(self, world_size: int) -> None:
+        for name, size in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)):
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name}={size!r}: parallel sizes must be integers >= 1.")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=True splits the sequence over the tensor-parallel ranks and needs "
+                             "tp > 1; set tp_size=2 or more, or sequence_parallel=False.")
+        if world_size % (self.tp * self.pp):
+            raise ValueError(f"tp={self.tp} x pp={self.pp} does not divide the {world_size} processes; start "
+                             f"a multiple of {self.tp * self.pp} processes (torchrun --nproc-per-node).")
+        if (world_size // self.pp) % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide the {world_size // self.pp} ranks of a pipeline "
+                             f"stage; use an ep that divides world_size / pp.")
+
+
+def initialize_megatron_parallel(layout: MegatronParallel, seed: int = 0) -> None:
+    """Join the default group (if needed) and build megatron's groups for `layout`; idempotent per layout."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    enable_cpu_device_mode()
+    init_distributed()
+    layout.check(dist.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        current = (parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_pipeline_model_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_world_size())
+        if current == (layout.tp, layout.pp, layout.ep):
+            return
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                             pipeline_model_parallel_size=layout.pp,
+                                             expert_model_parallel_size=layout.ep)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_megatron_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()

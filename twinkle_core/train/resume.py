@@ -1,0 +1,135 @@
+"""Resumable training state: what a crashed or cancelled run needs to continue exactly where it stopped.
+
+Every `checkpoint_every` optimizer steps the recipe writes `checkpoint_dir/training_state/`:
+
+    state.pt       trainable weights (the LoRA adapter, or every weight in full fine-tuning), optimizer and
+                   LR-scheduler state, the fp16 loss scaler, the optimizer step count, every rank's RNG state
+    progress.json  the step, the micro-batches of the seeded data order already consumed, and the settings
+                   that must not change across a resume (a mismatch is refused, naming the setting)
+
+It is written under a temporary name and renamed when complete (twinkle_core.atomic), so a crash, a
+cancel or a timeout at any moment leaves the last complete state. When the run starts again with the same
+`checkpoint_dir` (a retried flow run uses the same run folder), `load_training_state` restores all of it;
+the recipe then skips the consumed micro-batches of the same seeded order, so the resumed steps see the
+same data, learning rate and optimizer moments as an uninterrupted run: their losses are equal.
+
+Several processes: `torch.distributed.checkpoint.state_dict.get_state_dict` gathers the full (unsharded)
+model and optimizer state on rank 0, which writes one file; on resume every rank reads it and
+`set_state_dict` keeps its own shard. The same file thus resumes one process or a sharded run (several
+machines: `checkpoint_dir` must be on a filesystem they share, as for the final checkpoint).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_state_dict)
+
+from twinkle_core.atomic import atomic_dir
+from twinkle_core.parallel import is_main_process
+from twinkle_core.parallel.process_group import barrier
+
+logger = logging.getLogger(__name__)
+STATE_DIR = "training_state"
+STATE_FILE, PROGRESS_FILE = "state.pt", "progress.json"
+
+
+class ResumeMismatch(ValueError):
+    """The saved state was written by a run with different settings."""
+
+
+def _options() -> StateDictOptions:
+    distributed = dist.is_available() and dist.is_initialized()
+    # Frozen weights come from the model id, not the state: loading is checked against the trainable ones.
+    return StateDictOptions(full_state_dict=distributed, cpu_offload=distributed, ignore_frozen_params=True,
+                            strict=False)
+
+
+def save_training_state(model: Any, checkpoint_dir: str | Path, progress: dict) -> Path:
+    """Write `checkpoint_dir/training_state` for a TransformersModel (every rank calls it)."""
+    module, stepper = model.training_parts()
+    weights, optimizer = get_state_dict(module, stepper.optimizer, options=_options())
+    rng = _all_ranks(_rng_state())  # each rank's own: their dropout masks differ
+    target = Path(checkpoint_dir) / STATE_DIR
+    if is_main_process():
+        state = {"model": weights, "optimizer": optimizer, "step": stepper.step,
+                 "scheduler": stepper.scheduler.state_dict() if stepper.scheduler else None,
+                 "scaler": stepper.scaler.state_dict() if stepper.scaler else None, "rng": rng}
+        with atomic_dir(target) as tmp:
+            torch.save(state, tmp / STATE_FILE)
+            (tmp / PROGRESS_FILE).write_text(json.dumps({**progress, "step": stepper.step}, indent=2))
+        logger.info("saved the training state at step %d to %s", stepper.step, target)
+    barrier()  # no rank trains on before the state exists
+    return target
+
+
+def read_progress(checkpoint_dir: str | Path) -> dict | None:
+    """The progress record of the last complete training state, or None when there is none."""
+    path = Path(checkpoint_dir) / STATE_DIR / PROGRESS_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def load_training_state(model: Any, checkpoint_dir: str | Path, settings: dict) -> dict | None:
+    """Restore the last training state into `model`; return its progress record (None: nothing to resume).
+
+    `settings` are the values the state was written with (`progress["settings"]`); any difference is
+    refused, since resuming under another data order, batch size or schedule is not a resume.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    for stale in checkpoint_dir.glob(f".{STATE_DIR}.tmp-*"):  # a write that a crash interrupted
+        shutil.rmtree(stale, ignore_errors=True)
+    progress = read_progress(checkpoint_dir)
+    if progress is None:
+        return None
+    changed = {k: (progress["settings"].get(k), v) for k, v in settings.items() if progress["settings"].get(k) != v}
+    if changed:
+        detail = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in changed.items())
+        raise ResumeMismatch(f"{checkpoint_dir / STATE_DIR} was written with other settings ({detail}); "
+                             "resume with the same settings, or use a new checkpoint_dir to start over.")
+    module, stepper = model.training_parts()
+    state = torch.load(checkpoint_dir / STATE_DIR / STATE_FILE, map_location="cpu", weights_only=False)
+    keys = set_state_dict(module, stepper.optimizer, model_state_dict=state["model"],
+                          optim_state_dict=state["optimizer"], options=_options())
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    missing = sorted(set(keys.missing_keys) & trainable)
+    if missing or keys.unexpected_keys:
+        raise ResumeMismatch(f"{checkpoint_dir / STATE_DIR} does not fit this model: missing {missing[:5]}, "
+                             f"unexpected {list(keys.unexpected_keys)[:5]}; use a new checkpoint_dir to start over.")
+    stepper.step = progress["step"]
+    if stepper.scheduler is not None:
+        stepper.scheduler.load_state_dict(state["scheduler"])
+    if stepper.scaler is not None:
+        stepper.scaler.load_state_dict(state["scaler"])
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    _set_rng_state(state["rng"][rank if rank < len(state["rng"]) else 0])
+    logger.info("resumed from the training state at step %d (%s)", progress["step"], checkpoint_dir / STATE_DIR)
+    return progress
+
+
+def _all_ranks(value: Any) -> list:
+    """`value` from every rank, in rank order (one process: [value])."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

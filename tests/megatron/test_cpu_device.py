@@ -73,7 +73,7 @@ def test_disable_restores_everything():
     original = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.Stream, torch.cuda.random.get_rng_state)
     with cpu_device_mode() as on:
         assert on and is_cpu_device_mode()
-        assert torch.cuda.current_device() == 0
+        assert torch.cuda.current_device() == torch.device("cpu")
     assert not is_cpu_device_mode()
     assert (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.Stream,
             torch.cuda.random.get_rng_state) == original

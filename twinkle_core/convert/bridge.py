@@ -89,6 +89,8 @@ def mapped_parameters(model, table: MappingTable) -> list[MappedParameter]:
     """
     mapped = []
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if ".lora_" in name:  # LoRA adapters (twinkle_core.megatron.lora) are exported as PEFT adapters
+            continue
         found = _find_rule(model, table, name)
         is_parameter = isinstance(tensor, torch.nn.Parameter)
         if found is None and is_parameter:

@@ -8,7 +8,8 @@ so on a machine without CUDA this mode redirects exactly those requests to the C
 - a `TorchFunctionMode` that rewrites `device='cuda'` / `device=<int>` arguments, `torch.device(0)`,
   `Tensor.cuda()` and `Tensor.to('cuda')` to the CPU, and makes argument-less `Tensor.type()` answer
   `torch.cuda.*Tensor`;
-- stand-ins for `torch.cuda.current_device / synchronize / current_stream / Stream / Event / stream`, and
+- `torch.cuda.current_device()` answering the CPU device (backward passes of megatron's autograd functions
+  run outside the function mode and allocate with it), and stand-ins for `torch.cuda.synchronize / current_stream / Stream / Event / stream`, and
   the CUDA RNG state functions (torch's and megatron's `tensor_parallel.random` copies), backed by the CPU
   generator (megatron saves, seeds, reads and restores them, so the CPU stream comes out as it went in);
 - for MoE: `moe_utils.te_general_gemm = None` (0.16.1 leaves it undefined without Transformer Engine) and
@@ -153,7 +154,9 @@ class _Patches:
 
 def _patch_torch_cuda(patches: _Patches) -> None:
     cuda = torch.cuda
-    patches.set(cuda, "current_device", lambda: 0)
+    # The CPU device itself, not index 0: custom autograd backward passes (sequence-parallel reduce-scatters)
+    # run outside any TorchFunctionMode, so `device=current_device()` must name the CPU on its own.
+    patches.set(cuda, "current_device", lambda: _CPU)
     patches.set(cuda, "synchronize", lambda device=None: None)
     patches.set(cuda, "current_stream", lambda device=None: _Stream())
     patches.set(cuda, "default_stream", lambda device=None: _Stream())

@@ -207,11 +207,14 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from twinkle_core.megatron.mla_core_attention import MLACoreAttention
+    from twinkle_core.megatron.sequence_parallel_norm import use_sequence_parallel_norms
 
     config = transformer_config_from_hf(hf_config, layout, dtype, init_weights)
     rope = _rope_parameters(hf_config)
     # The block spec gives each layer its own spec: dense or MoE as moe_layer_freq says.
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if layout.sequence_parallel:
+        use_sequence_parallel_norms(spec)
     if config.multi_latent_attention:
         for layer_spec in spec.layer_specs:
             layer_spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
@@ -224,7 +227,25 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
         position_embedding_type="rope", rotary_base=rope["rope_theta"],
         rotary_percent=rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)),
     )
+    if not init_weights:
+        _mark_tensor_parallel_weights(model)
     inv_freq = None if config.multi_latent_attention else _hf_inverse_frequencies(hf_config)
     if inv_freq is not None:
         model.rotary_pos_emb.inv_freq = inv_freq
     return model
+
+
+def _mark_tensor_parallel_weights(model) -> None:
+    """Tag split weights as megatron's initialisers would have (they are skipped without initialisation).
+
+    Megatron's grad norm counts a weight on every tp rank only when it is tagged as split; untagged it
+    counts tp rank 0's shard alone, and clipping would use too small a norm.
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for module in model.modules():
+        dim = {ColumnParallelLinear: 0, VocabParallelEmbedding: 0, RowParallelLinear: 1}.get(type(module))
+        weight = getattr(module, "weight", None)
+        if dim is not None and isinstance(weight, torch.nn.Parameter):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)

@@ -1,0 +1,157 @@
+"""MegatronModel trains like one process at every layout, like TransformersModel, and resumes exactly.
+
+One worker run per layout (tests/megatron/megatron_worker.py) on a tiny Llama (dense) and a tiny DeepSeek
+R1 (multi-latent attention + routed and shared experts), 3 steps of AdamW on fixed batches of 8 rows in
+micro-batches of 2 (4 micro-batches per step: 1F1B under pp=2), fp32. Losses must match the one-process
+Megatron run within 1e-4 relative (the issue's bound; measured differences are ~1e-7).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from family_models import save_tiny_family_model
+from megatron_worker import global_batch
+from tiny_models import save_tiny_model
+from twinkle_core.launch import run_streaming, torchrun_command
+
+HERE = Path(__file__).resolve().parent
+WORKER_PATH = os.pathsep.join([str(HERE), str(HERE.parent), str(HERE.parents[1])])
+REL = 1e-4
+RUNS = {  # name: (model, layout, processes, extra job keys)
+    "dense": ("dense", {}, 1, {"export": True}),
+    "dense_tp2": ("dense", {"tp": 2}, 2, {}),
+    "dense_pp2": ("dense", {"pp": 2}, 2, {}),
+    "dense_dp2": ("dense", {}, 2, {}),
+    "dense_tp2_sp": ("dense", {"tp": 2, "sequence_parallel": True}, 2, {}),
+    "lora": ("dense", {}, 1, {"lora": True, "export": True}),
+    "lora_tp2": ("dense", {"tp": 2}, 2, {"lora": True, "export": True}),
+    "moe": ("moe", {}, 1, {}),
+    "moe_ep2": ("moe", {"ep": 2}, 2, {}),
+    "full4": ("dense", {}, 1, {"steps": 4, "save_at": 2}),
+}
+
+
+def run_worker(job: dict, nproc: int, root: Path, name: str) -> dict:
+    path = root / f"{name}.json"
+    path.write_text(json.dumps(job))
+    cmd = ([sys.executable, "-m", "megatron_worker", str(path)] if nproc == 1
+           else torchrun_command("megatron_worker", [str(path)], nproc_per_node=nproc))
+    run_streaming(cmd, lambda line: None, timeout_s=300, env={"PYTHONPATH": WORKER_PATH, "OMP_NUM_THREADS": "1"})
+    return json.loads((Path(job["out"]) / "result.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("megatron_model")
+    models = {"dense": save_tiny_model(root / "dense", "llama", tie_word_embeddings=False),
+              "moe": save_tiny_family_model("deepseek_r1", root / "moe")}
+    results = {"root": root, "models": models}
+    for name, (model, layout, nproc, extra) in RUNS.items():
+        job = {"model": str(models[model]), "layout": layout, "steps": 3, "micro_batch_size": 2,
+               "out": str(root / "out" / name), **extra}
+        results[name] = run_worker(job, nproc, root, name)
+    resume = {"model": str(models["dense"]), "steps": 4, "micro_batch_size": 2, "out": str(root / "out" / "resume"),
+              "resume_from": str(root / "out" / "full4")}
+    results["resumed"] = run_worker(resume, 1, root, "resumed")
+    return results
+
+
+def assert_close(losses, reference, rel=REL):
+    assert len(losses) == len(reference)
+    for got, want in zip(losses, reference):
+        assert abs(got - want) <= rel * abs(want), (losses, reference)
+
+
+def test_one_process_training_lowers_the_loss(runs):
+    losses = runs["dense"]["losses"]
+    assert losses[-1] < losses[0]
+    assert runs["dense"]["held_out"]["tokens"] > 0
+
+
+@pytest.mark.parametrize("name", ["dense_tp2", "dense_pp2", "dense_dp2", "dense_tp2_sp"])
+def test_dense_layouts_match_one_process(runs, name):
+    assert_close(runs[name]["losses"], runs["dense"]["losses"])
+    assert_close(runs[name]["grad_norms"], runs["dense"]["grad_norms"])  # clipping sees the same norm
+    assert_close([runs[name]["held_out"]["loss"]], [runs["dense"]["held_out"]["loss"]])
+
+
+def test_tensor_parallel_ranks_hold_half_of_the_split_weights(runs):
+    # qkv, proj, fc1, fc2 are split in two; embedding and output layer too, after padding the vocabulary
+    assert 2 * runs["dense_tp2"]["linears_local"] == runs["dense"]["linears_local"]
+    assert runs["dense_tp2"]["trainable_local"] < 0.6 * runs["dense"]["trainable_local"]
+
+
+def test_moe_with_expert_parallelism_matches_one_process(runs):
+    assert runs["moe"]["losses"][-1] < runs["moe"]["losses"][0]
+    assert_close(runs["moe_ep2"]["losses"], runs["moe"]["losses"])
+    assert_close(runs["moe_ep2"]["grad_norms"], runs["moe"]["grad_norms"])
+
+
+def test_lora_under_tp2_matches_one_process_and_exports_the_same_adapter(runs):
+    assert_close(runs["lora_tp2"]["losses"], runs["lora"]["losses"])
+    assert runs["lora"]["losses"][-1] < runs["lora"]["losses"][0]
+    one = load_file(runs["root"] / "out" / "lora" / "export" / "adapter_model.safetensors")
+    two = load_file(runs["root"] / "out" / "lora_tp2" / "export" / "adapter_model.safetensors")
+    assert one.keys() == two.keys() and any("q_proj.lora_B" in key for key in one)
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-5)
+
+
+def _hf_loss(model, batch: dict) -> float:
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(),
+                                                   ignore_index=-100))
+
+
+def test_the_exported_peft_adapter_gives_megatrons_held_out_loss(runs):
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(runs["models"]["dense"], dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, runs["root"] / "out" / "lora" / "export")
+    loss = _hf_loss(model, global_batch(999, base.config.vocab_size))
+    assert abs(loss - runs["lora"]["held_out"]["loss"]) <= 1e-5 * loss
+
+
+def test_the_exported_hf_checkpoint_gives_megatrons_held_out_loss(runs):
+    model = AutoModelForCausalLM.from_pretrained(runs["root"] / "out" / "dense" / "export", dtype=torch.float32)
+    loss = _hf_loss(model, global_batch(999, model.config.vocab_size))
+    assert abs(loss - runs["dense"]["held_out"]["loss"]) <= 1e-5 * loss
+
+
+def test_megatron_loss_equals_transformers_model_loss_on_the_same_batch(runs):
+    from twinkle_core.models import TransformersModel
+
+    model = TransformersModel(str(runs["models"]["dense"]), mixed_precision="no")
+    model.set_optimizer("AdamW", lr=1e-2)
+    loss = model.forward_backward(inputs=global_batch(0, model.model.config.vocab_size))
+    assert abs(loss - runs["dense"]["losses"][0]) <= 1e-5 * loss
+
+
+def test_resuming_from_the_dist_checkpoint_continues_the_uninterrupted_losses(runs):
+    full, resumed = runs["full4"]["losses"], runs["resumed"]["losses"]
+    assert len(resumed) == 2  # steps 3 and 4, after the checkpoint of step 2
+    assert_close(resumed, full[2:], rel=1e-6)
+
+
+def test_bad_layouts_and_precisions_fail_before_building_anything(runs):
+    from twinkle_core.models.megatron_model import MegatronModel
+
+    path = str(runs["models"]["dense"])
+    with pytest.raises(ValueError, match="sequence_parallel=True .* needs tp > 1"):
+        MegatronModel(path, mixed_precision="no", sequence_parallel=True)
+    with pytest.raises(ValueError, match="tp=2 x pp=1 does not divide the 1 processes"):
+        MegatronModel(path, mixed_precision="no", tp_size=2)
+    with pytest.raises(ValueError, match="fp8.*Transformer Engine"):
+        MegatronModel(path, mixed_precision="fp8")
+    with pytest.raises(ValueError, match="micro_batch_size=0"):
+        MegatronModel(path, mixed_precision="no", micro_batch_size=0)

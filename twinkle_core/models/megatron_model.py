@@ -1,0 +1,331 @@
+"""MegatronModel: train a Hugging Face model on megatron-core, with the verbs of TransformersModel.
+
+    model = MegatronModel("hf://Qwen/Qwen2.5-7B", mixed_precision="bf16", tp_size=2, pp_size=2)
+    model.add_adapter_to_model("default", LoraConfig(r=8))          # optional: LoRA on the parallel linears
+    model.set_optimizer("AdamW", lr=1e-4)                           # megatron's optimizer (distributed when dp > 1)
+    model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=10, num_training_steps=1000)
+    for batch in batches:                   # this data-parallel rank's rows of the global batch
+        model.forward_backward(inputs=batch)  # all its micro-batches through the pipeline schedule (1F1B)
+        model.clip_grad_and_step(max_grad_norm=1.0)
+    model.save("step-1000", "ckpt/")        # megatron dist checkpoint (model + optimizer): resume at any layout
+    model.save_hf("out/")                   # Hugging Face safetensors (or a PEFT adapter) through the bridge
+
+Every process of the torchrun job builds its own part of the model (tp × pp × ep), filled straight from
+the HF safetensors by the bridge (twinkle_core.convert). The data-parallel size is what tp × pp leaves.
+Unlike TransformersModel, one `forward_backward` call is one optimizer step's worth of rows: megatron's
+schedule cuts them into micro-batches of `micro_batch_size` (gradient accumulation is the number of
+micro-batches) and the loss is normalised by the step's global trained tokens, as everywhere here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoTokenizer
+
+from twinkle_core.convert import export_hf_weights, load_hf_weights, megatron_family
+from twinkle_core.convert.megatron_checkpoint import (HF_DIR, copy_hf_side_files, is_megatron_checkpoint,
+                                                      load_megatron_checkpoint, read_checkpoint_info)
+from twinkle_core.hub import resolve_model
+from twinkle_core.megatron import MegatronParallel, build_gpt_model, initialize_megatron_parallel
+from twinkle_core.megatron.lora import add_megatron_lora, export_peft_adapter
+from twinkle_core.megatron.step import run_schedule, split_micro_batches
+from twinkle_core.models.batches import to_batch
+from twinkle_core.models.schedulers import lr_factor
+from twinkle_core.models.stepper import held_out_metrics
+from twinkle_core.parallel.process_group import close_distributed
+from twinkle_core.precision import MixedPrecision, resolve_precision
+
+logger = logging.getLogger(__name__)
+_OPTIMIZERS = {"AdamW": "adam", "Adam": "adam", "SGD": "sgd"}
+TRAINING_STATE = "training_state.json"
+
+
+class MegatronModel:
+    """A Megatron-capable HF model (or a Megatron checkpoint of this project) trained on megatron-core."""
+
+    def __init__(self, model_id: str, mixed_precision: str = "auto", tp_size: int = 1, pp_size: int = 1,
+                 ep_size: int = 1, sequence_parallel: bool = False, micro_batch_size: int = 1,
+                 use_distributed_optimizer: bool | None = None, max_length: int | None = None, seed: int = 0):
+        """`use_distributed_optimizer`: shard optimizer state over data-parallel ranks (None: when dp > 1)."""
+        self.layout = MegatronParallel(tp=tp_size, pp=pp_size, ep=ep_size, sequence_parallel=sequence_parallel)
+        self.layout.check(int(os.environ.get("WORLD_SIZE", "1")))
+        self.precision = _megatron_precision(mixed_precision)
+        self.model_id = model_id
+        path = Path(resolve_model(model_id).path)
+        self.hf_dir = path / HF_DIR if is_megatron_checkpoint(path) else path
+        self.family = read_checkpoint_info(path)["family"] if is_megatron_checkpoint(path) else megatron_family(path)
+        self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
+        self.micro_batch_size = _positive("micro_batch_size", micro_batch_size)
+        self.max_length = max_length
+        initialize_megatron_parallel(self.layout, seed=seed)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.model = build_gpt_model(self.hf_config, self.layout, self.precision.trainable_dtype)
+        self.model.config.calculate_per_token_loss = True  # the loss is normalised by global trained tokens
+        if is_megatron_checkpoint(path):
+            load_megatron_checkpoint(self.model, path)
+        else:
+            load_hf_weights(self.model, self.hf_config, self.hf_dir)
+        self.model.to(self.device)
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.adapter_name: str | None = None
+        self.lora_config = None
+        self.ddp = None  # megatron's DistributedDataParallel around the model, from set_optimizer
+        self.optimizer = None
+        self._schedule: tuple[str, int, int] | None = None
+        self.base_lr = 0.0
+        self.step = 0
+        self._last: dict[str, float] = {}
+        self._pending: tuple[float, int, float] | None = None  # loss sum, tokens, seconds of the step's passes
+        self._eval = [0.0, 0]
+
+    # ----- model structure -------------------------------------------------------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    def add_adapter_to_model(self, name: str, config) -> None:
+        """LoRA on megatron's column/row-parallel linears, split like its base under TP; the base is frozen."""
+        if self.adapter_name is not None:
+            raise ValueError(f"adapter {self.adapter_name!r} is already on this model; MegatronModel trains one "
+                             "adapter.")
+        if self.ddp is not None:
+            raise RuntimeError("add_adapter_to_model: call it before set_optimizer.")
+        self.lora_config = add_megatron_lora(self.model, config)
+        self.adapter_name = name
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    # ----- optimisation ----------------------------------------------------------------------------
+    def set_optimizer(self, optimizer_cls: str = "AdamW", lr: float = 1e-4, weight_decay: float = 0.0,
+                      betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        """megatron-core's optimizer (fp32 master weights under bf16/fp16) over megatron's DDP grad buffers."""
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        if optimizer_cls not in _OPTIMIZERS:
+            raise ValueError(f"optimizer_cls={optimizer_cls!r}: the Megatron backend has {sorted(_OPTIMIZERS)}.")
+        if self.ddp is not None:
+            raise RuntimeError("set_optimizer: the optimizer is already set.")
+        distributed = self.data_parallel_size > 1 if self.use_distributed_optimizer is None \
+            else self.use_distributed_optimizer
+        config = self.model.config
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed,
+                                                   average_in_collective=False)
+        self.ddp = DistributedDataParallel(config, ddp_config, self.model)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.ddp.no_sync
+        self.base_lr = lr
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer=_OPTIMIZERS[optimizer_cls], lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
+            adam_beta2=betas[1], adam_eps=eps, sgd_momentum=0.0, use_distributed_optimizer=distributed,
+            bf16=self.precision.mode is MixedPrecision.bf16, fp16=self.precision.mode is MixedPrecision.fp16,
+            params_dtype=self.precision.trainable_dtype, clip_grad=0.0), [self.ddp])
+
+    def set_lr_scheduler(self, scheduler_cls: str = "CosineWarmupScheduler", num_warmup_steps: int = 0,
+                         num_training_steps: int = 1) -> None:
+        self._require_optimizer("set_lr_scheduler")
+        lr_factor(scheduler_cls, 0, num_warmup_steps, num_training_steps)  # validates the names and numbers
+        self._schedule = (scheduler_cls, num_warmup_steps, num_training_steps)
+        self._apply_lr()
+
+    def forward_backward(self, inputs: list[dict] | dict) -> float:
+        """Forward and backward this rank's rows (one step's worth); return their mean token loss."""
+        self._require_optimizer("forward_backward")
+        self.ddp.train()
+        start = time.perf_counter()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss_sum, tokens = run_schedule([self.ddp], self._micro_batches(inputs), self.hf_config.vocab_size,
+                                        forward_only=False)
+        self._pending = (loss_sum, tokens, time.perf_counter() - start)
+        return loss_sum / max(1, tokens)
+
+    def clip_grad_and_step(self, max_grad_norm: float | None = 1.0) -> bool:
+        """Clip to `max_grad_norm` (None or 0: no clipping), step, advance the schedule; True if it stepped."""
+        self._require_optimizer("clip_grad_and_step")
+        if self._pending is None:
+            raise RuntimeError("clip_grad_and_step: call forward_backward first.")
+        start = time.perf_counter()
+        for optimizer_config in _configs(self.optimizer):
+            optimizer_config.clip_grad = float(max_grad_norm or 0.0)
+        stepped, grad_norm, _ = self.optimizer.step()
+        loss_sum, tokens, seconds = self._pending
+        loss_sum, tokens = self._all_reduce_dp([loss_sum, tokens])
+        self._pending = None
+        lr = self._current_lr()
+        if stepped:
+            self.step += 1
+            self._apply_lr()
+        self._last = {"loss": loss_sum / max(1, tokens), "grad_norm": float(grad_norm or 0.0), "lr": lr,
+                      "trained_tokens": int(tokens), "step": self.step,
+                      "tokens_per_s": tokens / self.data_parallel_size / (seconds + time.perf_counter() - start),
+                      "skipped": float(not stepped)}
+        return bool(stepped)
+
+    @torch.no_grad()
+    def forward_only(self, inputs: list[dict] | dict) -> float:
+        """Evaluation forward; accumulates the held-out loss reported by calculate_metric(False)."""
+        module = self.ddp or self.model
+        module.eval()
+        loss_sum, tokens = run_schedule([module], self._micro_batches(inputs), self.hf_config.vocab_size,
+                                        forward_only=True)
+        self._eval[0] += loss_sum
+        self._eval[1] += tokens
+        return loss_sum / max(1, tokens)
+
+    def calculate_metric(self, is_training: bool = True) -> dict[str, float]:
+        """Training: the last step's loss, grad_norm, lr, tokens_per_s; eval: held-out loss and perplexity."""
+        if not is_training:
+            loss_sum, tokens = self._all_reduce_dp(self._eval)
+            self._eval = [0.0, 0]
+            return held_out_metrics(loss_sum, tokens)
+        return dict(self._last)
+
+    # ----- checkpoints -----------------------------------------------------------------------------
+    def save(self, name: str, output_dir: str | Path, with_optimizer: bool = True) -> Path:
+        """A megatron dist checkpoint `output_dir/name` of model, optimizer and step (every rank calls it).
+
+        It loads at any tp/pp layout with `load` (resharding), and converts to HF with
+        `python -m flows.convert --to hf`.
+        """
+        from megatron.core import dist_checkpointing
+
+        from twinkle_core.convert.megatron_checkpoint import save_megatron_checkpoint
+
+        target = Path(output_dir) / name
+        save_megatron_checkpoint(self.model, target, self.hf_dir, self.layout, self.family,
+                                 self.precision.trainable_dtype)
+        if with_optimizer and self.optimizer is not None:
+            state = self.optimizer.sharded_state_dict(self.model.sharded_state_dict())
+            (target / "optimizer").mkdir(exist_ok=True)
+            _barrier()
+            dist_checkpointing.save(state, str(target / "optimizer"))
+        if _is_rank0():
+            (target / TRAINING_STATE).write_text(json.dumps(
+                {"step": self.step, "adapter_name": self.adapter_name, "schedule": self._schedule}) + "\n")
+        _barrier()
+        return target
+
+    def load(self, name: str, output_dir: str | Path) -> None:
+        """Load a checkpoint written by `save` (model, and optimizer + step when set_optimizer ran)."""
+        from megatron.core import dist_checkpointing
+
+        source = Path(output_dir) / name
+        load_megatron_checkpoint(self.model, source)
+        state = json.loads((source / TRAINING_STATE).read_text()) if (source / TRAINING_STATE).is_file() else {}
+        if self.optimizer is not None and (source / "optimizer").is_dir():
+            sharded = self.optimizer.sharded_state_dict(self.model.sharded_state_dict(), is_loading=True)
+            self.optimizer.load_state_dict(dist_checkpointing.load(sharded, str(source / "optimizer")))
+            self.optimizer.reload_model_params()  # the fp32 main weights from the model just loaded
+            self.step = int(state.get("step", 0))
+            self._apply_lr()
+
+    def save_hf(self, output_dir: str | Path, merge_adapter: bool = False) -> Path:
+        """Export through the bridge: HF safetensors + config + tokenizer, or with LoRA a PEFT adapter."""
+        output_dir = Path(output_dir)
+        if self.adapter_name is not None and not merge_adapter:
+            export_peft_adapter(self.model, self.hf_config, self.lora_config, output_dir)
+        else:
+            with _merged(self.model, merge_adapter and self.adapter_name is not None):
+                export_hf_weights(self.model, self.hf_config, output_dir)
+            if _is_rank0():
+                copy_hf_side_files(self.hf_dir, output_dir)
+        _barrier()
+        return output_dir
+
+    def close(self) -> None:
+        close_distributed()
+
+    # ----- helpers ---------------------------------------------------------------------------------
+    def _micro_batches(self, inputs):
+        batch = to_batch(inputs, self.tokenizer, self.device, self.max_length)
+        pad = self.layout.tp if self.layout.sequence_parallel else 1
+        return split_micro_batches(batch, self.micro_batch_size, pad_multiple=pad)
+
+    def _current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _apply_lr(self) -> None:
+        lr = self.base_lr * (lr_factor(*self._schedule[:1], self.step, *self._schedule[1:])
+                             if self._schedule else 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _all_reduce_dp(self, values: list[float]) -> list[float]:
+        from megatron.core import parallel_state as ps
+
+        if self.data_parallel_size == 1:
+            return list(values)
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, group=ps.get_data_parallel_group())
+        return tensor.tolist()
+
+    def _require_optimizer(self, verb: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"{verb}: call set_optimizer(...) first.")
+
+
+def _megatron_precision(mode: str):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if str(mode) == "fp8":
+        raise ValueError("mixed_precision='fp8' on the Megatron backend needs Transformer Engine's layer spec "
+                         "on an H100-class GPU, which this build does not use yet; use 'bf16' (recommended) "
+                         "or 'no'.")
+    return resolve_precision(mode, device)
+
+
+def _configs(optimizer) -> list:
+    """The OptimizerConfig of each optimizer inside megatron's (chained: dense and expert parameters)."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return list({id(o.config): o.config for o in inner}.values())
+
+
+def _positive(name: str, value: int) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+    return value
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class _merged:
+    """Fold the LoRA deltas into the base weights for an export, and take them out again afterwards."""
+
+    def __init__(self, model, enabled: bool):
+        self.model, self.enabled = model, enabled
+
+    def __enter__(self):
+        if self.enabled:
+            from twinkle_core.megatron.lora import merge_lora
+            merge_lora(self.model, sign=1.0)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            from twinkle_core.megatron.lora import merge_lora
+            merge_lora(self.model, sign=-1.0)

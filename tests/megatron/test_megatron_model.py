@@ -33,6 +33,7 @@ RUNS = {  # name: (model, layout, processes, extra job keys)
     "dense_tp2_sp": ("dense", {"tp": 2, "sequence_parallel": True}, 2, {}),
     "lora": ("dense", {}, 1, {"lora": True, "export": True}),
     "lora_tp2": ("dense", {"tp": 2}, 2, {"lora": True, "export": True}),
+    "lora_tp2_bf16": ("dense", {"tp": 2}, 2, {"lora": True, "precision": "bf16"}),
     "moe": ("moe", {}, 1, {}),
     "moe_ep2": ("moe", {"ep": 2}, 2, {}),
     "full4": ("dense", {}, 1, {"steps": 4, "save_at": 2}),
@@ -103,6 +104,12 @@ def test_lora_under_tp2_matches_one_process_and_exports_the_same_adapter(runs):
     assert one.keys() == two.keys() and any("q_proj.lora_B" in key for key in one)
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-5)
+
+
+def test_bf16_trains_close_to_fp32(runs):
+    # bf16 weights and activations, fp32 master weights in megatron's optimizer: a bf16-sized difference
+    assert_close(runs["lora_tp2_bf16"]["losses"], runs["lora"]["losses"], rel=1e-3)
+    assert runs["lora_tp2_bf16"]["losses"] != runs["lora"]["losses"]  # it really ran in bf16
 
 
 def _hf_loss(model, batch: dict) -> float:

@@ -68,7 +68,8 @@ class MegatronModel:
         initialize_megatron_parallel(self.layout, seed=seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
-        self.model = build_gpt_model(self.hf_config, self.layout, self.precision.trainable_dtype)
+        # megatron keeps the model in the compute dtype; its optimizer holds fp32 master weights (bf16/fp16)
+        self.model = build_gpt_model(self.hf_config, self.layout, self.precision.compute_dtype)
         self.model.config.calculate_per_token_loss = True  # the loss is normalised by global trained tokens
         if is_megatron_checkpoint(path):
             load_megatron_checkpoint(self.model, path)
@@ -138,7 +139,7 @@ class MegatronModel:
             optimizer=_OPTIMIZERS[optimizer_cls], lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
             adam_beta2=betas[1], adam_eps=eps, sgd_momentum=0.0, use_distributed_optimizer=distributed,
             bf16=self.precision.mode is MixedPrecision.bf16, fp16=self.precision.mode is MixedPrecision.fp16,
-            params_dtype=self.precision.trainable_dtype, clip_grad=0.0), [self.ddp])
+            params_dtype=self.precision.compute_dtype, clip_grad=0.0), [self.ddp])
 
     def set_lr_scheduler(self, scheduler_cls: str = "CosineWarmupScheduler", num_warmup_steps: int = 0,
                          num_training_steps: int = 1) -> None:
@@ -213,7 +214,7 @@ class MegatronModel:
 
         target = Path(output_dir) / name
         save_megatron_checkpoint(self.model, target, self.hf_dir, self.layout, self.family,
-                                 self.precision.trainable_dtype)
+                                 self.precision.compute_dtype)
         if with_optimizer and self.optimizer is not None:
             state = self.optimizer.sharded_state_dict(self.model.sharded_state_dict())
             (target / "optimizer").mkdir(exist_ok=True)

@@ -27,6 +27,14 @@ class TokenizedRef(BaseModel):
     num_trained_tokens: int
 
 
+class PackedRef(BaseModel):
+    path: str  # a packed pre-training corpus folder (twinkle_core.data.pretrain)
+    content_hash: str
+    train_sequences: int
+    validation_sequences: int
+    train_tokens: int
+
+
 class CheckpointRef(BaseModel):
     path: str
     is_adapter: bool

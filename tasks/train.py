@@ -19,6 +19,7 @@ from prefect.concurrency.sync import concurrency
 from tasks.refs import CheckpointRef
 from twinkle_core.launch import cpu_threads_env, run_streaming, torchrun_command_for
 from twinkle_core.train import TrainRunConfig
+from twinkle_core.train.pretrain import PretrainRunConfig
 from twinkle_core.train.recipe import EVENT_PREFIX
 
 
@@ -93,15 +94,16 @@ class _Follower:
 
 
 @task
-def train(run_config: TrainRunConfig, run_dir: str, timeout_s: float | None = None,
-          device_limit: str | None = "gpu") -> CheckpointRef | None:
-    """Write the run config, start `torchrun -m twinkle_core.train`, stream it, return the checkpoint.
+def train(run_config: TrainRunConfig | PretrainRunConfig, run_dir: str, timeout_s: float | None = None,
+          device_limit: str | None = "gpu", entry: str = "twinkle_core.train") -> CheckpointRef | None:
+    """Write the run config, start `torchrun -m <entry>` (SFT, or twinkle_core.train.pretrain), stream it,
+    return the checkpoint.
 
     None on a machine of a multi-machine run that did not hold global rank 0 (that machine saves it).
     """
     config_path = run_config.write(Path(run_dir) / "train_config.json")
     follow = _Follower()
-    cmd = torchrun_command_for(run_config.parallel, "twinkle_core.train", [str(config_path)])
+    cmd = torchrun_command_for(run_config.parallel, entry, [str(config_path)])
     slots = run_config.parallel.nproc_per_node
     if device_limit:
         follow.log.info("taking %d slot(s) of the concurrency limit %r (waits while other runs hold them)",
@@ -116,6 +118,7 @@ def train(run_config: TrainRunConfig, run_dir: str, timeout_s: float | None = No
     if done is None:
         raise RuntimeError("training finished without writing a checkpoint; see the worker log above.")
     metrics = step_metrics(follow.events.get("step", {}))
+    metrics.update({f"eval_{k}": float(v) for k, v in follow.events.get("eval", {}).items() if k != "event"})
     return CheckpointRef(path=done["path"], is_adapter=run_config.use_lora, final_metrics=metrics,
                          train_seconds=done["train_seconds"], probe_loss=done["probe_loss"],
                          resumed_from_step=follow.events.get("resume", {}).get("step", 0))

@@ -58,7 +58,8 @@ class MegatronModel:
         self.layout.check(int(os.environ.get("WORLD_SIZE", "1")))
         self.precision = _megatron_precision(mixed_precision)
         self.model_id = model_id
-        path = Path(resolve_model(model_id).path)
+        # a Megatron checkpoint of this project (local) loads as it is; anything else resolves like an HF id
+        path = Path(model_id) if is_megatron_checkpoint(model_id) else Path(resolve_model(model_id).path)
         self.hf_dir = path / HF_DIR if is_megatron_checkpoint(path) else path
         self.family = read_checkpoint_info(path)["family"] if is_megatron_checkpoint(path) else megatron_family(path)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)

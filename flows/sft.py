@@ -1,6 +1,7 @@
 """Supervised fine-tuning: download → tokenize → convert → train → evaluate → register.
 
     python -m flows.sft                      # the embedded default: SmolLM2-135M-Instruct learns it is Twinkle
+    python -m flows.sft --backend megatron --nproc-per-node 2 --tp-size 2    # on megatron-core
     python -m flows.sft --help               # every option
     python -m flows.sft --config run.yaml --lr 1e-4
 """
@@ -29,6 +30,7 @@ from tasks.tokenize import tokenize
 from tasks.track import finish_tracking, log_loss_curve, prefect_tags, start_tracking
 from tasks.train import train
 from twinkle_core.families import check_model_id
+from twinkle_core.megatron.parallel_state import MegatronParallel
 from twinkle_core.parallel import ParallelConfig, Strategy, check_parallel_config
 from twinkle_core.precision import resolve_precision
 from twinkle_core.tracking import artifact_url, run_url, tracking_uri
@@ -46,7 +48,7 @@ class SFTConfig(BaseModel):
     model_id: str = Field(DEFAULT_MODEL, description="Model: ms://org/name[@rev], hf://org/name[@rev], pkg://package/path, or a local path (GGUF files are converted once).")
     dataset: str = Field(DEFAULT_DATASET, description="Training chat data: ms://, hf://, pkg:// or a local .jsonl/.json/.parquet.")
     eval_dataset: str = Field(DEFAULT_EVAL_DATASET, description="Held-out chat data for eval loss and the before/after answers.")
-    backend: Literal["transformers"] = Field("transformers", description="Training backend.")
+    backend: Literal["transformers", "megatron"] = Field("transformers", description="Training backend: transformers (Transformers + Accelerate/FSDP), or megatron (megatron-core: tp_size, pp_size, ep_size, data parallel over the rest; Megatron-capable families only).")
     # data
     max_length: int = Field(512, ge=16, description="Tokens per sample; longer samples are truncated.")
     packing: bool = Field(False, description="Pack several samples into one sequence (attention kept per sample).")
@@ -80,6 +82,8 @@ class SFTConfig(BaseModel):
     tp_size: int = Field(1, ge=1, description="Tensor-parallel size: processes each weight matrix is split over (LoRA or full); the processes left are FSDP (FSDP × TP).")
     sp_size: int = Field(1, ge=1, description="Sequence-parallel size: processes each sequence is split over (Ulysses; must divide the attention heads).")
     ep_size: int = Field(1, ge=1, description="Expert-parallel size (MoE models): experts split over this many of the data-parallel processes.")
+    pp_size: int = Field(1, ge=1, description="Pipeline-parallel size (backend megatron: 1F1B over the micro-batches).")
+    sequence_parallel: bool = Field(False, description="Transformers: Ulysses over the processes dp, fsdp and tp leave (sets sp_size); megatron: split activations along the sequence over the tp ranks (needs tp_size > 1).")
     nnodes: int = Field(1, ge=1, description="Machines in the run: start one flow run (or torchrun) per machine with the same settings except node_rank.")
     node_rank: int = Field(0, ge=0, description="This machine's index, 0 .. nnodes-1.")
     rdzv_endpoint: str | None = Field(None, description="HOST:PORT where the machines meet (node 0 by convention), the same on every machine; needed when nnodes > 1.")
@@ -101,8 +105,26 @@ class SFTConfig(BaseModel):
 
         check_model_id(self.model_id)
         resolve_precision(self.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
-        check_parallel_config(self.parallel())
+        if self.backend == "megatron":
+            self._check_megatron()
+        else:
+            check_parallel_config(self.parallel())
         return self
+
+    def _check_megatron(self) -> None:
+        problems = [f"{name}={getattr(self, name)!r}: {why}" for name, bad, why in (
+            ("mixed_precision", self.mixed_precision == "fp8", "fp8 needs Transformer Engine's layer spec; use bf16"),
+            ("packing", self.packing, "packed samples restart their positions, which megatron's local spec cannot "
+                                      "express; use packing=false"),
+            ("sp_size", self.sp_size > 1, "Ulysses belongs to the Transformers backend; on megatron use "
+                                          "sequence_parallel=true with tp_size > 1"),
+            ("dp_size", self.dp_size > 1, "megatron's data parallelism is what tp_size x pp_size leave; use 1"),
+            ("fsdp_size", self.fsdp_size not in (None, 1), "FSDP belongs to the Transformers backend"),
+        ) if bad]
+        if problems:
+            raise ValueError("backend='megatron': " + "; ".join(problems) + ".")
+        MegatronParallel(self.tp_size, self.pp_size, self.ep_size, self.sequence_parallel).check(
+            self.nproc_per_node * self.nnodes)
 
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(**self.model_dump(include=set(ParallelConfig.model_fields)))
@@ -130,7 +152,8 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
                           config.enable_thinking)
     eval_data = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction, config.enable_thinking)
     prompts = sample_prompts(eval_file, config.eval_prompts)
-    model = convert(model, config.backend)
+    hf_model = model  # evaluation loads the trained adapter or model with transformers
+    model = convert(model, config.backend, config.tp_size, config.pp_size, config.timeout_minutes * 60)
     tags = prefect_tags("sft")
     run_id = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json"),
                             {**tags, "model_id": config.model_id})
@@ -143,7 +166,7 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
             finish_tracking(run_id)
             return {"summary": "training finished; the machine that held global rank 0 evaluates and registers",
                     "run_id": run_id, "checkpoint": None, "family": model.family}
-        reports = evaluate(model, checkpoint, eval_data, prompts, str(run_dir), config.mixed_precision,
+        reports = evaluate(hf_model, checkpoint, eval_data, prompts, str(run_dir), config.mixed_precision,
                            config.max_new_tokens, run_id)
         registration = register(checkpoint, config.model_name(), run_id, reports["trained"]["eval_loss"], tags)
         curve = log_loss_curve(run_id)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,3 +69,31 @@ def test_packing_splits_documents_and_samples_resumably(tmp_path):
     assert mask[first_boundary, first_boundary - 1] < 0 and mask[first_boundary - 1, first_boundary - 2] == 0
     future = torch.ones(mask.shape, dtype=torch.bool).triu(1)
     assert (mask[future] < 0).all()  # causal
+
+
+def test_sft_on_the_megatron_backend_trains_evaluates_and_registers_a_peft_adapter(sft_workspace):
+    from flows.sft import SFTConfig, sft
+
+    ws = sft_workspace
+    config = SFTConfig(model_id=str(ws["model"]), dataset=str(ws["train"]), eval_dataset=str(ws["heldout"]),
+                       backend="megatron", nproc_per_node=2, tp_size=2, mixed_precision="no", max_steps=4,
+                       batch_size=4, gradient_accumulation_steps=2, lr=1e-2, max_length=64, eval_prompts=1,
+                       max_new_tokens=4, registered_model_name="tiny-megatron-sft", checkpoint_every=2,
+                       output_dir=str(ws["root"] / "runs"), timeout_minutes=10)
+    result = sft(config)
+    reports = result["reports"]
+    assert reports["trained"]["eval_loss"] < reports["base"]["eval_loss"]
+    assert (Path(result["checkpoint"]) / "adapter_config.json").is_file()  # a PEFT adapter of the HF model
+    client = MlflowClient()
+    assert len(client.get_metric_history(result["run_id"], "loss")) == 4
+
+
+def test_megatron_sft_refuses_what_megatron_cannot_do(tmp_path):
+    from flows.sft import SFTConfig
+
+    with pytest.raises(ValueError, match="packing=True: packed samples restart"):
+        SFTConfig(model_id=str(tmp_path), backend="megatron", packing=True)
+    with pytest.raises(ValueError, match="sequence_parallel=True .* needs tp > 1"):
+        SFTConfig(model_id=str(tmp_path), backend="megatron", sequence_parallel=True)
+    with pytest.raises(ValueError, match="pp_size=2: pipeline parallelism arrives with the Megatron backend"):
+        SFTConfig(model_id=str(tmp_path), nproc_per_node=2, pp_size=2)

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 -m megatron_worker JOB.json
 
 JOB.json: model (an HF dir or a Megatron checkpoint), layout (tp/pp/ep/sequence_parallel), micro_batch_size,
-steps, lora (bool), optimizer, resume_from / save_at (a step to save a dist checkpoint at), out (a folder).
+steps, accumulation (forward_backward calls per step), lora (bool), optimizer, resume_from / save_at (a step to save a dist checkpoint at), out (a folder).
 Every step trains the same global batch slice of a fixed seeded corpus; each data-parallel rank takes its
 contiguous share of the rows. Rank 0 writes result.json: per-step losses, grad norms and, when asked, the
 exported HF weights or PEFT adapter (export/).
@@ -50,7 +50,8 @@ def main(job_path: str) -> None:
                           micro_batch_size=job.get("micro_batch_size", 1))
     if job.get("lora"):
         model.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    model.set_optimizer(job.get("optimizer", "AdamW"), lr=job.get("lr", 1e-2))
+    accumulation = job.get("accumulation", 1)  # forward_backward calls per step, each on a part of the rows
+    model.set_optimizer(job.get("optimizer", "AdamW"), lr=job.get("lr", 1e-2), gradient_accumulation_steps=accumulation)
     model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=job["steps"])
     out = Path(job["out"])
     start = 0
@@ -61,8 +62,12 @@ def main(job_path: str) -> None:
     for step in range(start, job["steps"]):
         batch = local_share(global_batch(step, model.hf_config.vocab_size), model.data_parallel_rank,
                             model.data_parallel_size)
-        rank_losses.append(model.forward_backward(inputs=batch))
-        model.clip_grad_and_step(max_grad_norm=1.0)
+        rows = len(batch["input_ids"]) // accumulation
+        for part in range(accumulation):
+            rank_losses.append(model.forward_backward(inputs={k: v[part * rows:(part + 1) * rows]
+                                                              for k, v in batch.items()}))
+            stepped = model.clip_grad_and_step(max_grad_norm=1.0)
+            assert stepped == (part == accumulation - 1)
         metrics = model.calculate_metric()
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])

@@ -31,6 +31,7 @@ RUNS = {  # name: (model, layout, processes, extra job keys)
     "dense_pp2": ("dense", {"pp": 2}, 2, {}),
     "dense_dp2": ("dense", {}, 2, {}),
     "dense_tp2_sp": ("dense", {"tp": 2, "sequence_parallel": True}, 2, {}),
+    "dense_dp2_accum2": ("dense", {}, 2, {"accumulation": 2}),
     "lora": ("dense", {}, 1, {"lora": True, "export": True}),
     "lora_tp2": ("dense", {"tp": 2}, 2, {"lora": True, "export": True}),
     "lora_tp2_bf16": ("dense", {"tp": 2}, 2, {"lora": True, "precision": "bf16"}),
@@ -77,7 +78,7 @@ def test_one_process_training_lowers_the_loss(runs):
     assert runs["dense"]["held_out"]["tokens"] > 0
 
 
-@pytest.mark.parametrize("name", ["dense_tp2", "dense_pp2", "dense_dp2", "dense_tp2_sp"])
+@pytest.mark.parametrize("name", ["dense_tp2", "dense_pp2", "dense_dp2", "dense_tp2_sp", "dense_dp2_accum2"])
 def test_dense_layouts_match_one_process(runs, name):
     assert_close(runs[name]["losses"], runs["dense"]["losses"])
     assert_close(runs[name]["grad_norms"], runs["dense"]["grad_norms"])  # clipping sees the same norm

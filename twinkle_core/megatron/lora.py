@@ -31,11 +31,23 @@ LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 _COLUMN = ("linear_qkv", "linear_fc1")
 
 
+# Hugging Face projection names → the fused megatron linear that holds them (all of a group, or none)
+_HF_GROUPS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+              "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+
+
 def _resolve_targets(config) -> set[str]:
     targets = config.target_modules
     if targets is None or targets == "all-linear":
         return set(LORA_TARGETS)
     targets = {targets} if isinstance(targets, str) else set(targets)
+    for fused, hf_names in _HF_GROUPS.items():
+        given = targets & set(hf_names)
+        if given and given != set(hf_names):
+            raise ValueError(f"LoraConfig.target_modules={sorted(targets)}: megatron fuses {list(hf_names)} into "
+                             f"{fused}, so they are adapted together; list all of them, {fused!r}, or none.")
+        if given:
+            targets = (targets - given) | {fused}
     unknown = sorted(targets - set(LORA_TARGETS))
     if unknown:
         raise ValueError(f"LoraConfig.target_modules: {unknown} are not megatron linears; the Megatron backend "

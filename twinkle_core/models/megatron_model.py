@@ -12,9 +12,9 @@
 
 Every process of the torchrun job builds its own part of the model (tp × pp × ep), filled straight from
 the HF safetensors by the bridge (twinkle_core.convert). The data-parallel size is what tp × pp leaves.
-Unlike TransformersModel, one `forward_backward` call is one optimizer step's worth of rows: megatron's
-schedule cuts them into micro-batches of `micro_batch_size` (gradient accumulation is the number of
-micro-batches) and the loss is normalised by the step's global trained tokens, as everywhere here.
+Each `forward_backward` call runs its rows through megatron's schedule in micro-batches of
+`micro_batch_size`; with `gradient_accumulation_steps=N` (set_optimizer) a step is N calls, whose
+gradients are reduced once after the last. The loss is normalised by the step's global trained tokens.
 """
 from __future__ import annotations
 
@@ -87,6 +87,8 @@ class MegatronModel:
         self.step = 0
         self._last: dict[str, float] = {}
         self._pending: tuple[float, int, float] | None = None  # loss sum, tokens, seconds of the step's passes
+        self._calls, self._step_tokens = 0, None  # forward_backward calls and trained tokens of this step
+        self.gradient_accumulation_steps = 1
         self._eval = [0.0, 0]
 
     # ----- model structure -------------------------------------------------------------------------
@@ -102,8 +104,11 @@ class MegatronModel:
 
         return ps.get_data_parallel_rank()
 
-    def add_adapter_to_model(self, name: str, config) -> None:
-        """LoRA on megatron's column/row-parallel linears, split like its base under TP; the base is frozen."""
+    def add_adapter_to_model(self, name: str, config, gradient_accumulation_steps: int | None = None) -> None:
+        """LoRA on megatron's column/row-parallel linears, split like its base under TP; the base is frozen.
+
+        `target_modules` may name megatron's linears or the HF projections they fuse (q/k/v, gate/up together).
+        """
         if self.adapter_name is not None:
             raise ValueError(f"adapter {self.adapter_name!r} is already on this model; MegatronModel trains one "
                              "adapter.")
@@ -111,18 +116,26 @@ class MegatronModel:
             raise RuntimeError("add_adapter_to_model: call it before set_optimizer.")
         self.lora_config = add_megatron_lora(self.model, config)
         self.adapter_name = name
+        if gradient_accumulation_steps is not None:
+            self.gradient_accumulation_steps = _positive("gradient_accumulation_steps", gradient_accumulation_steps)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     # ----- optimisation ----------------------------------------------------------------------------
     def set_optimizer(self, optimizer_cls: str = "AdamW", lr: float = 1e-4, weight_decay: float = 0.0,
-                      betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
-        """megatron-core's optimizer (fp32 master weights under bf16/fp16) over megatron's DDP grad buffers."""
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+                      betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                      gradient_accumulation_steps: int | None = None) -> None:
+        """megatron-core's optimizer (fp32 master weights under bf16/fp16) over megatron's DDP grad buffers.
+
+        `gradient_accumulation_steps`: forward_backward calls per optimizer step (each may hold several
+        micro-batches); the step's gradients are reduced and normalised once, after the last call.
+        """
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        if gradient_accumulation_steps is not None:
+            self.gradient_accumulation_steps = _positive("gradient_accumulation_steps", gradient_accumulation_steps)
         if optimizer_cls not in _OPTIMIZERS:
             raise ValueError(f"optimizer_cls={optimizer_cls!r}: the Megatron backend has {sorted(_OPTIMIZERS)}.")
         if self.ddp is not None:
@@ -133,7 +146,7 @@ class MegatronModel:
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed,
                                                    average_in_collective=False)
         self.ddp = DistributedDataParallel(config, ddp_config, self.model)
-        config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = self._finalize_grads
         config.no_sync_func = self.ddp.no_sync
         self.base_lr = lr
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
@@ -150,22 +163,38 @@ class MegatronModel:
         self._apply_lr()
 
     def forward_backward(self, inputs: list[dict] | dict) -> float:
-        """Forward and backward this rank's rows (one step's worth); return their mean token loss."""
+        """Forward and backward this rank's rows (all their micro-batches); return their mean token loss."""
         self._require_optimizer("forward_backward")
         self.ddp.train()
         start = time.perf_counter()
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        if self._pending is None:  # the first call of a step
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            self._pending = (0.0, 0, 0.0)
+            self._calls, self._step_tokens = 0, None
+        self._calls += 1
         loss_sum, tokens = run_schedule([self.ddp], self._micro_batches(inputs), self.hf_config.vocab_size,
                                         forward_only=False)
-        self._pending = (loss_sum, tokens, time.perf_counter() - start)
+        previous = self._pending
+        self._pending = (previous[0] + loss_sum, previous[1] + tokens, previous[2] + time.perf_counter() - start)
         return loss_sum / max(1, tokens)
 
+    def _finalize_grads(self, model_chunks, num_tokens=None, **kwargs) -> None:
+        """megatron's grad finalisation (dp reduce, /global tokens), deferred to a step's last call."""
+        from megatron.core.distributed import finalize_model_grads
+
+        self._step_tokens = num_tokens if self._step_tokens is None else self._step_tokens + num_tokens
+        if self._calls == self.gradient_accumulation_steps:
+            finalize_model_grads(model_chunks, self._step_tokens, **kwargs)
+
     def clip_grad_and_step(self, max_grad_norm: float | None = 1.0) -> bool:
-        """Clip to `max_grad_norm` (None or 0: no clipping), step, advance the schedule; True if it stepped."""
+        """At the accumulation boundary: clip to `max_grad_norm` (None or 0: none), step, advance the
+        schedule, and return True; before it, return False."""
         self._require_optimizer("clip_grad_and_step")
         if self._pending is None:
             raise RuntimeError("clip_grad_and_step: call forward_backward first.")
+        if self._calls < self.gradient_accumulation_steps:
+            return False
         start = time.perf_counter()
         for optimizer_config in _configs(self.optimizer):
             optimizer_config.clip_grad = float(max_grad_norm or 0.0)

@@ -16,6 +16,7 @@ class TrainRunConfig(BaseModel):
     """Everything a worker needs; paths only, no live objects."""
 
     model_id: str
+    backend: str = "transformers"  # or "megatron" (model_path is then a Megatron checkpoint or an HF dir)
     model_path: Path
     family: str
     train_data: Path

@@ -56,10 +56,7 @@ class SFTRecipe:
         self.examples = load_tokenized(cfg.train_data)
         if not self.examples:
             raise ValueError(f"train_data {cfg.train_data} holds no examples.")
-        self.model = TransformersModel(
-            str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=cfg.parallel.strategy.value,
-            device_mesh=worker_mesh(cfg.parallel), router_aux_loss_coef=cfg.router_aux_loss_coef, family=cfg.family,
-        )
+        self.model = self._build_model()
         self.mask_dtype = self.model.precision.compute_dtype  # packed 4-D masks must match sdpa's dtype
         self.pad_id = self.model.tokenizer.pad_token_id
         if self.pad_id is None:
@@ -76,12 +73,26 @@ class SFTRecipe:
         emit("setup", examples=len(self.examples), total_steps=self.total_steps, trainable_params=trainable)
         # Read from disk: a DDP/FSDP wrapper hides the model's config.
         seq_len = round(sum(len(row["input_ids"]) for row in self.examples) / len(self.examples))
-        self.perf = StepPerf(AutoConfig.from_pretrained(cfg.model_path), seq_len, self.model.device,
+        self.perf = StepPerf(AutoConfig.from_pretrained(self._hf_dir()), seq_len, self.model.device,
                              world_size_from_env(), self.model.precision.compute_dtype,
                              lora_params=trainable if cfg.use_lora else None,
                              data_parallel_size=self.model.data_parallel_size)
         emit("perf", **self.perf.describe())
         self.start_step = self._resume()  # last: it restores the RNG state that training continues with
+
+    def _build_model(self):
+        cfg = self.config
+        return TransformersModel(
+            str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=cfg.parallel.strategy.value,
+            device_mesh=worker_mesh(cfg.parallel), router_aux_loss_coef=cfg.router_aux_loss_coef, family=cfg.family,
+        )
+
+    def _hf_dir(self) -> Path:
+        """The HF directory whose config describes the model (for the FLOP count)."""
+        return self.config.model_path
+
+    def _save_training_state(self) -> None:
+        save_training_state(self.model, self.config.checkpoint_dir, {"settings": self._resume_settings()})
 
     def _resume_settings(self) -> dict:
         """What must be the same for a saved training state to be resumed (same data order and schedule)."""
@@ -128,7 +139,7 @@ class SFTRecipe:
                      **{k: round(v, 6) for k, v in metrics.items()})
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.total_steps:
                 self.metrics.flush()  # the metrics up to the saved step survive a crash too
-                save_training_state(self.model, cfg.checkpoint_dir, {"settings": self._resume_settings()})
+                self._save_training_state()
                 emit("training_state", step=step)
         self.train_seconds = time.perf_counter() - started
 
@@ -162,4 +173,9 @@ def run_recipe(recipe) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     path = worker_config_path(argv, "python -m twinkle_core.train RUN_CONFIG.json")
-    return run_recipe(SFTRecipe(TrainRunConfig.read(path)))
+    config = TrainRunConfig.read(path)
+    if config.backend == "megatron":
+        from twinkle_core.train.megatron_sft import MegatronSFTRecipe
+
+        return run_recipe(MegatronSFTRecipe(config))
+    return run_recipe(SFTRecipe(config))

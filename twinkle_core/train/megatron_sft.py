@@ -9,12 +9,13 @@ resumable training state is a megatron dist checkpoint of model, optimizer and s
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from twinkle_core.parallel import is_main_process
+from twinkle_core.parallel.process_group import barrier
 from twinkle_core.train.recipe import SFTRecipe, emit
-
-STATE = "training_state"
+from twinkle_core.train.resume import STATE_DIR as STATE, check_resume_settings
 
 
 class MegatronSFTRecipe(SFTRecipe):
@@ -41,8 +42,6 @@ class MegatronSFTRecipe(SFTRecipe):
                 target.rename(checkpoint_dir / f"{STATE}.old")
             (checkpoint_dir / f"{STATE}.partial").rename(target)
             _remove(checkpoint_dir / f"{STATE}.old")
-        from twinkle_core.parallel.process_group import barrier
-
         barrier()
 
     def _resume(self) -> int:
@@ -50,9 +49,7 @@ class MegatronSFTRecipe(SFTRecipe):
         if not progress_file.is_file():
             return 0
         progress = json.loads(progress_file.read_text())
-        if progress["settings"] != self._resume_settings():
-            raise ValueError(f"{progress_file.parent} was written with other settings; resume with the same "
-                             "settings, or use a new checkpoint_dir to start over.")
+        check_resume_settings(progress, self._resume_settings(), progress_file.parent)
         self.model.load(STATE, self.config.checkpoint_dir)
         emit("resume", step=progress["step"], total=self.total_steps)
         return progress["step"]
@@ -67,6 +64,4 @@ class MegatronSFTRecipe(SFTRecipe):
 
 
 def _remove(path: Path) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)

@@ -75,6 +75,15 @@ def read_progress(checkpoint_dir: str | Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def check_resume_settings(progress: dict, settings: dict, where: Path) -> None:
+    """Refuse to resume a state written with other settings, naming each one that changed."""
+    changed = {k: (progress["settings"].get(k), v) for k, v in settings.items() if progress["settings"].get(k) != v}
+    if changed:
+        detail = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in changed.items())
+        raise ResumeMismatch(f"{where} was written with other settings ({detail}); "
+                             "resume with the same settings, or use a new checkpoint_dir to start over.")
+
+
 def load_training_state(model: Any, checkpoint_dir: str | Path, settings: dict) -> dict | None:
     """Restore the last training state into `model`; return its progress record (None: nothing to resume).
 
@@ -87,11 +96,7 @@ def load_training_state(model: Any, checkpoint_dir: str | Path, settings: dict) 
     progress = read_progress(checkpoint_dir)
     if progress is None:
         return None
-    changed = {k: (progress["settings"].get(k), v) for k, v in settings.items() if progress["settings"].get(k) != v}
-    if changed:
-        detail = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in changed.items())
-        raise ResumeMismatch(f"{checkpoint_dir / STATE_DIR} was written with other settings ({detail}); "
-                             "resume with the same settings, or use a new checkpoint_dir to start over.")
+    check_resume_settings(progress, settings, checkpoint_dir / STATE_DIR)
     module, stepper = model.training_parts()
     state = torch.load(checkpoint_dir / STATE_DIR / STATE_FILE, map_location="cpu", weights_only=False)
     keys = set_state_dict(module, stepper.optimizer, model_state_dict=state["model"],

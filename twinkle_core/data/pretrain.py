@@ -47,12 +47,12 @@ def pack_text_corpus(path: str | Path, tokenizer, seq_length: int, output_dir: s
     if not 0.0 < validation_fraction < 1.0:
         raise ValueError(f"validation_fraction={validation_fraction} must be between 0 and 1 (e.g. 0.1).")
     rows = load_rows(path, "text", max_bad_fraction).rows
+    if len(rows) < 2:
+        raise ValueError(f"{path}: {len(rows)} document(s); a train/validation split needs at least 2.")
     documents = [encode_text(tokenizer, row["text"])["input_ids"] for row in rows]
     held = [i for i in range(len(documents)) if _is_validation(i, seed, validation_fraction)]
     if not held or len(held) == len(documents):  # small corpora: at least one document on each side
         held = [len(documents) - 1]
-    if len(documents) < 2:
-        raise ValueError(f"{path}: {len(documents)} document(s); a train/validation split needs at least 2.")
     output_dir = Path(output_dir)
     partial = output_dir.with_name(output_dir.name + f".partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)

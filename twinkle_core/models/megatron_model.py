@@ -23,7 +23,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -12,7 +12,19 @@ from pydantic import BaseModel, Field
 from twinkle_core.parallel import ParallelConfig
 
 
-class TrainRunConfig(BaseModel):
+class RunConfigFile(BaseModel):
+    """A run configuration that the launching task writes and every worker reads back."""
+
+    def write(self, path: Path) -> Path:
+        path.write_text(self.model_dump_json(indent=2))
+        return path
+
+    @classmethod
+    def read(cls, path: str | Path):
+        return cls.model_validate_json(Path(path).read_text())
+
+
+class TrainRunConfig(RunConfigFile):
     """Everything a worker needs; paths only, no live objects."""
 
     model_id: str
@@ -52,11 +64,3 @@ class TrainRunConfig(BaseModel):
 
         return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
                           target_modules=self.lora_target_modules, task_type="CAUSAL_LM")
-
-    def write(self, path: Path) -> Path:
-        path.write_text(self.model_dump_json(indent=2))
-        return path
-
-    @classmethod
-    def read(cls, path: str | Path) -> "TrainRunConfig":
-        return cls.model_validate_json(Path(path).read_text())

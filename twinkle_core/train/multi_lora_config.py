@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from twinkle_core.parallel import ParallelConfig
+from twinkle_core.train.config import RunConfigFile
 
 
 class TenantRunConfig(BaseModel):
@@ -41,7 +42,7 @@ class TenantRunConfig(BaseModel):
                           target_modules=self.lora_target_modules, task_type="CAUSAL_LM")
 
 
-class MultiLoraRunConfig(BaseModel):
+class MultiLoraRunConfig(RunConfigFile):
     """Everything the workers need; paths only, no live objects."""
 
     model_id: str
@@ -56,11 +57,3 @@ class MultiLoraRunConfig(BaseModel):
     tenants: list[TenantRunConfig] = Field(min_length=1)
     log_every: int = Field(1, ge=1)
     tracking_uri: str | None = None
-
-    def write(self, path: Path) -> Path:
-        path.write_text(self.model_dump_json(indent=2))
-        return path
-
-    @classmethod
-    def read(cls, path: str | Path) -> "MultiLoraRunConfig":
-        return cls.model_validate_json(Path(path).read_text())

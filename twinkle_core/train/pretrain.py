@@ -17,19 +17,20 @@ import time
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from twinkle_core.data.pretrain import PackedSplit
 from twinkle_core.entry import worker_config_path
 from twinkle_core.parallel import ParallelConfig, is_main_process, world_size_from_env
 from twinkle_core.perf import StepPerf
 from twinkle_core.tracking import MetricsLogger
+from twinkle_core.train.config import RunConfigFile
 from twinkle_core.train.recipe import emit
 
 LATEST = "latest"  # the file in checkpoint_dir naming the last complete training checkpoint
 
 
-class PretrainRunConfig(BaseModel):
+class PretrainRunConfig(RunConfigFile):
     """Everything a pre-training worker needs (defaults and help texts live in flows.pretrain)."""
 
     model_id: str
@@ -57,14 +58,6 @@ class PretrainRunConfig(BaseModel):
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
     use_lora: bool = False  # the train task's CheckpointRef: pre-training trains every weight
-
-    def write(self, path: Path) -> Path:
-        path.write_text(self.model_dump_json(indent=2))
-        return path
-
-    @classmethod
-    def read(cls, path: str | Path) -> "PretrainRunConfig":
-        return cls.model_validate_json(Path(path).read_text())
 
 
 class PretrainRecipe:

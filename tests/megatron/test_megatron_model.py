@@ -37,6 +37,8 @@ RUNS = {  # name: (model, layout, processes, extra job keys)
     "lora_tp2_bf16": ("dense", {"tp": 2}, 2, {"lora": True, "precision": "bf16"}),
     "moe": ("moe", {}, 1, {}),
     "moe_ep2": ("moe", {"ep": 2}, 2, {}),
+    "moe_pp2": ("moe", {"pp": 2}, 2, {}),
+    "moe_dp2": ("moe", {}, 2, {}),
     "full4": ("dense", {}, 1, {"steps": 4, "save_at": 2}),
 }
 
@@ -91,10 +93,11 @@ def test_tensor_parallel_ranks_hold_half_of_the_split_weights(runs):
     assert runs["dense_tp2"]["trainable_local"] < 0.6 * runs["dense"]["trainable_local"]
 
 
-def test_moe_with_expert_parallelism_matches_one_process(runs):
+@pytest.mark.parametrize("name", ["moe_ep2", "moe_pp2", "moe_dp2"])
+def test_moe_layouts_match_one_process(runs, name):
     assert runs["moe"]["losses"][-1] < runs["moe"]["losses"][0]
-    assert_close(runs["moe_ep2"]["losses"], runs["moe"]["losses"])
-    assert_close(runs["moe_ep2"]["grad_norms"], runs["moe"]["grad_norms"])
+    assert_close(runs[name]["losses"], runs["moe"]["losses"])
+    assert_close(runs[name]["grad_norms"], runs["moe"]["grad_norms"])
 
 
 def test_lora_under_tp2_matches_one_process_and_exports_the_same_adapter(runs):

@@ -164,5 +164,8 @@ def test_bad_layouts_and_precisions_fail_before_building_anything(runs):
         MegatronModel(path, mixed_precision="no", tp_size=2)
     with pytest.raises(ValueError, match="fp8.*Transformer Engine"):
         MegatronModel(path, mixed_precision="fp8")
+    with pytest.raises(ValueError, match="dp_size=2 x tp_size=1 x pp_size=1 must equal the 1 processes; "
+                                         "dp_size=1 would fit"):
+        MegatronModel(path, mixed_precision="no", dp_size=2)
     with pytest.raises(ValueError, match="micro_batch_size=0"):
         MegatronModel(path, mixed_precision="no", micro_batch_size=0)

@@ -50,11 +50,18 @@ class MegatronModel:
     """A Megatron-capable HF model (or a Megatron checkpoint of this project) trained on megatron-core."""
 
     def __init__(self, model_id: str, mixed_precision: str = "auto", tp_size: int = 1, pp_size: int = 1,
-                 ep_size: int = 1, sequence_parallel: bool = False, micro_batch_size: int = 1,
-                 use_distributed_optimizer: bool | None = None, max_length: int | None = None, seed: int = 0):
-        """`use_distributed_optimizer`: shard optimizer state over data-parallel ranks (None: when dp > 1)."""
+                 ep_size: int = 1, sequence_parallel: bool = False, dp_size: int | None = None,
+                 micro_batch_size: int = 1, use_distributed_optimizer: bool | None = None,
+                 max_length: int | None = None, seed: int = 0):
+        """`dp_size`: None takes what tp × pp leave of the processes (a given one must equal it);
+        `use_distributed_optimizer`: shard optimizer state over data-parallel ranks (None: when dp > 1)."""
         self.layout = MegatronParallel(tp=tp_size, pp=pp_size, ep=ep_size, sequence_parallel=sequence_parallel)
-        self.layout.check(int(os.environ.get("WORLD_SIZE", "1")))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.layout.check(world_size)
+        if dp_size is not None and dp_size * tp_size * pp_size != world_size:
+            raise ValueError(f"dp_size={dp_size} x tp_size={tp_size} x pp_size={pp_size} must equal the "
+                             f"{world_size} processes; dp_size={world_size // (tp_size * pp_size)} would fit "
+                             "(or leave it empty).")
         self.precision = _megatron_precision(mixed_precision)
         self.model_id = model_id
         # a Megatron checkpoint of this project (local) loads as it is; anything else resolves like an HF id

@@ -83,6 +83,7 @@ class MegatronModel:
         else:
             load_hf_weights(self.model, self.hf_config, self.hf_dir)
         self.model.to(self.device)
+        _to_compute_dtype(self.model, self.precision.compute_dtype)
         self.use_distributed_optimizer = use_distributed_optimizer
         self.adapter_name: str | None = None
         self.lora_config = None
@@ -328,6 +329,17 @@ def _megatron_precision(mode: str):
                          "on an H100-class GPU, which this build does not use yet; use 'bf16' (recommended) "
                          "or 'no'.")
     return resolve_precision(mode, device)
+
+
+def _to_compute_dtype(model, dtype: torch.dtype) -> None:
+    """Store every parameter in the compute dtype; megatron's local-spec norms are created in fp32.
+
+    Its bf16/fp16 optimizer keeps the fp32 masters, and its checkpoints expect every trained parameter
+    among the half-precision ones. Buffers (the router's expert bias) keep their own dtype.
+    """
+    for param in model.parameters():
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def _configs(optimizer) -> list:

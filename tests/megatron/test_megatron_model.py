@@ -35,6 +35,7 @@ RUNS = {  # name: (model, layout, processes, extra job keys)
     "lora": ("dense", {}, 1, {"lora": True, "export": True}),
     "lora_tp2": ("dense", {"tp": 2}, 2, {"lora": True, "export": True}),
     "lora_tp2_bf16": ("dense", {"tp": 2}, 2, {"lora": True, "precision": "bf16"}),
+    "dense_bf16": ("dense", {}, 1, {"precision": "bf16", "save_at": 2}),
     "moe": ("moe", {}, 1, {}),
     "moe_ep2": ("moe", {"ep": 2}, 2, {}),
     "moe_pp2": ("moe", {"pp": 2}, 2, {}),
@@ -114,6 +115,12 @@ def test_bf16_trains_close_to_fp32(runs):
     # bf16 weights and activations, fp32 master weights in megatron's optimizer: a bf16-sized difference
     assert_close(runs["lora_tp2_bf16"]["losses"], runs["lora"]["losses"], rel=1e-3)
     assert runs["lora_tp2_bf16"]["losses"] != runs["lora"]["losses"]  # it really ran in bf16
+
+
+def test_full_bf16_training_tracks_fp32_and_checkpoints_its_optimizer(runs):
+    assert_close(runs["dense_bf16"]["losses"], runs["dense"]["losses"], rel=2e-3)
+    saved = runs["root"] / "out" / "dense_bf16" / "resume"
+    assert (saved / "optimizer").is_dir() and (saved / "training_state.json").is_file()
 
 
 def _hf_loss(model, batch: dict) -> float:

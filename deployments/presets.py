@@ -45,9 +45,23 @@ FLOWS: dict[str, dict[str, Preset]] = {
             "Qwen 2.5 7B Instruct, full fine-tuning with tensor parallelism over 2 GPUs (LoRA works under TP too).",
             {"model_id": "hf://Qwen/Qwen2.5-7B-Instruct", "use_lora": False, "lr": 1e-5, "nproc_per_node": 2,
              "tp_size": 2, "max_length": 2048, "batch_size": 8, "checkpoint_every": 100}),
+        "qwen2.5-megatron-tp2": Preset(
+            "Qwen 2.5 7B Instruct on megatron-core: LoRA r=16 with tensor parallelism over 2 GPUs, bf16.",
+            {"model_id": "hf://Qwen/Qwen2.5-7B-Instruct", "backend": "megatron", "nproc_per_node": 2, "tp_size": 2,
+             "mixed_precision": "bf16", "lora_r": 16, "lora_alpha": 32, "lr": 1e-4, "max_length": 2048,
+             "batch_size": 8, "checkpoint_every": 100}),
         "nightly": Preset(
             "Nightly re-train of the default at 02:00 Berlin time; the registry promotes the result only if it "
             "beats the champion.", {"epochs": 2}, cron="0 2 * * *", timezone="Europe/Berlin"),
+    },
+    "flows/pretrain.py:pretrain": {
+        "default": Preset("Continued pre-training of the default model on the bundled corpus with megatron-core "
+                          "(about 2 min on 2 CPU cores)."),
+        "qwen2.5-0.5b-tp2-pp2": Preset(
+            "Qwen 2.5 0.5B on 4 GPUs: tp 2 x pp 2 (1F1B), sequence parallel, bf16; set dataset to your corpus.",
+            {"model_id": "hf://Qwen/Qwen2.5-0.5B", "nproc_per_node": 4, "tp_size": 2, "pp_size": 2,
+             "sequence_parallel": True, "mixed_precision": "bf16", "micro_batch_size": 2, "global_batch_size": 8,
+             "max_steps": 100, "lr": 1e-4, "checkpoint_every": 50}),
     },
     "flows/multi_lora.py:multi_lora": {
         "default": Preset("The embedded multi-LoRA default: one adapter per tenant in one job."),

@@ -60,10 +60,15 @@ def test_deployment_presets_are_valid_flow_parameters():
     from deployments.presets import build_deployments
 
     deployments = {d.name: d for d in build_deployments() if d.flow_name == "sft"}
-    assert set(deployments) == {"default", "qwen2.5-lora", "qwen2.5-tp2", "nightly"}
+    assert set(deployments) == {"default", "qwen2.5-lora", "qwen2.5-tp2", "qwen2.5-megatron-tp2", "nightly"}
     for deployment in deployments.values():
         SFTConfig.model_validate(deployment.parameters["config"])
     assert deployments["nightly"].schedules[0].schedule.cron == "0 2 * * *"
+    from flows.pretrain import PretrainConfig
+
+    pretrain = {d.name: d for d in build_deployments() if d.flow_name == "pretrain"}
+    assert set(pretrain) == {"default", "qwen2.5-0.5b-tp2-pp2"}
+    assert PretrainConfig.model_validate(pretrain["qwen2.5-0.5b-tp2-pp2"].parameters["config"]).pp_size == 2
     from flows.multi_lora import MultiLoraConfig
 
     (multi,) = [d for d in build_deployments() if d.flow_name == "multi_lora"]

@@ -62,6 +62,7 @@ class PretrainConfig(BaseModel):
     tp_size: int = Field(1, ge=1, description="Tensor-parallel size.")
     pp_size: int = Field(1, ge=1, description="Pipeline-parallel size (1F1B over the micro-batches).")
     ep_size: int = Field(1, ge=1, description="Expert-parallel size (MoE models).")
+    virtual_pipeline_stages: int | None = Field(None, ge=2, description="Model chunks per pipeline rank (interleaved 1F1B; needs pp_size > 1; empty: none).")
     sequence_parallel: bool = Field(False, description="Split activations along the sequence over the tp ranks (needs tp_size > 1).")
     nnodes: int = Field(1, ge=1, description="Machines in the run (one flow run per machine).")
     node_rank: int = Field(0, ge=0, description="This machine's index, 0 .. nnodes-1.")
@@ -81,7 +82,8 @@ class PretrainConfig(BaseModel):
         if self.mixed_precision == "fp8":
             raise ValueError("mixed_precision='fp8' on the Megatron backend needs Transformer Engine's layer spec; "
                              "use 'bf16' (recommended) or 'no'.")
-        layout = MegatronParallel(self.tp_size, self.pp_size, self.ep_size, self.sequence_parallel)
+        layout = MegatronParallel(self.tp_size, self.pp_size, self.ep_size, self.sequence_parallel,
+                                  self.virtual_pipeline_stages)
         layout.check(self.nproc_per_node * self.nnodes)
         dp = self.nproc_per_node * self.nnodes // (self.tp_size * self.pp_size)
         if self.global_batch_size % (dp * self.micro_batch_size):

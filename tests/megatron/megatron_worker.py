@@ -47,6 +47,7 @@ def main(job_path: str) -> None:
     model = MegatronModel(job["model"], mixed_precision=job.get("precision", "no"), tp_size=layout.get("tp", 1),
                           pp_size=layout.get("pp", 1), ep_size=layout.get("ep", 1),
                           sequence_parallel=layout.get("sequence_parallel", False),
+                          virtual_pipeline_stages=layout.get("vpp"),
                           micro_batch_size=job.get("micro_batch_size", 1))
     if job.get("lora"):
         model.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
@@ -83,8 +84,8 @@ def main(job_path: str) -> None:
         out.mkdir(parents=True, exist_ok=True)
         trainable = sum(p.numel() for p in model.trainable_parameters())
         # the decoder's linears, which tp splits (norms are whole; the vocabulary is padded per tp size)
-        linears = sum(p.numel() for n, p in model.model.named_parameters() if n.startswith("decoder.")
-                      and "layernorm" not in n)
+        linears = sum(p.numel() for chunk in model.chunks for n, p in chunk.named_parameters()
+                      if n.startswith("decoder.") and "layernorm" not in n)
         (out / "result.json").write_text(json.dumps({"losses": losses, "grad_norms": norms, "held_out": held_out,
                                                      "first_rank_losses": rank_losses,
                                                      "trainable_local": trainable, "linears_local": linears}))

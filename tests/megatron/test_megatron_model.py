@@ -32,6 +32,8 @@ RUNS = {  # name: (model, layout, processes, extra job keys)
     "dense_dp2": ("dense", {}, 2, {}),
     "dense_tp2_sp": ("dense", {"tp": 2, "sequence_parallel": True}, 2, {}),
     "dense_dp2_accum2": ("dense", {}, 2, {"accumulation": 2}),
+    "dense8": ("dense8", {}, 1, {"steps": 2}),
+    "dense8_pp4_vpp2": ("dense8", {"pp": 4, "vpp": 2}, 4, {"steps": 2}),
     "lora": ("dense", {}, 1, {"lora": True, "export": True}),
     "lora_tp2": ("dense", {"tp": 2}, 2, {"lora": True, "export": True}),
     "lora_tp2_bf16": ("dense", {"tp": 2}, 2, {"lora": True, "precision": "bf16"}),
@@ -57,6 +59,7 @@ def run_worker(job: dict, nproc: int, root: Path, name: str) -> dict:
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("megatron_model")
     models = {"dense": save_tiny_model(root / "dense", "llama", tie_word_embeddings=False),
+              "dense8": save_tiny_model(root / "dense8", "llama", tie_word_embeddings=False, num_hidden_layers=8),
               "moe": save_tiny_family_model("deepseek_r1", root / "moe")}
     results = {"root": root, "models": models}
     for name, (model, layout, nproc, extra) in RUNS.items():
@@ -86,6 +89,13 @@ def test_dense_layouts_match_one_process(runs, name):
     assert_close(runs[name]["losses"], runs["dense"]["losses"])
     assert_close(runs[name]["grad_norms"], runs["dense"]["grad_norms"])  # clipping sees the same norm
     assert_close([runs[name]["held_out"]["loss"]], [runs["dense"]["held_out"]["loss"]])
+
+
+def test_interleaved_pipeline_with_virtual_stages_matches_one_process(runs):
+    # 8 layers over pp=4 ranks x 2 virtual stages: each rank holds layers i and i+4, interleaved 1F1B
+    assert_close(runs["dense8_pp4_vpp2"]["losses"], runs["dense8"]["losses"])
+    assert_close(runs["dense8_pp4_vpp2"]["grad_norms"], runs["dense8"]["grad_norms"])
+    assert 4 * runs["dense8_pp4_vpp2"]["linears_local"] == runs["dense8"]["linears_local"]
 
 
 def test_tensor_parallel_ranks_hold_half_of_the_split_weights(runs):
@@ -174,5 +184,7 @@ def test_bad_layouts_and_precisions_fail_before_building_anything(runs):
     with pytest.raises(ValueError, match="dp_size=2 x tp_size=1 x pp_size=1 must equal the 1 processes; "
                                          "dp_size=1 would fit"):
         MegatronModel(path, mixed_precision="no", dp_size=2)
+    with pytest.raises(ValueError, match="vpp=2: virtual pipeline stages .* need pp > 1"):
+        MegatronModel(path, mixed_precision="no", virtual_pipeline_stages=2)
     with pytest.raises(ValueError, match="micro_batch_size=0"):
         MegatronModel(path, mixed_precision="no", micro_batch_size=0)

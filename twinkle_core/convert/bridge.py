@@ -116,15 +116,21 @@ def _check_shapes(item: MappedParameter, reader: SafetensorsReader, shapes: Shap
                 f"{list(item.param.shape)} at tp={tp}) needs {list(shape)}: the config does not match the weights.")
 
 
+def _chunks(model) -> list:
+    """A model, or the model chunks of virtual pipeline stages, as a list."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def load_hf_weights(model, hf_config, hf_dir: str | Path) -> None:
-    """Fill this rank's part of `model` from the HF checkpoint in `hf_dir` (reading only its slices)."""
+    """Fill this rank's part of `model` (or of each of its chunks) from the HF checkpoint in `hf_dir`,
+    reading only its slices."""
     table = mapping_for(hf_config)
     shapes = shapes_for(hf_config)
     reader = SafetensorsReader(hf_dir)
     used: set[str] = set()
     try:
         with torch.no_grad():
-            for item in mapped_parameters(model, table):
+            for item in (item for chunk in _chunks(model) for item in mapped_parameters(chunk, table)):
                 tp_rank, tp = _tp(item.rule)
                 _check_shapes(item, reader, shapes, tp)
                 load_shard(item.rule, item.hf_names, reader, item.param.data, shapes, tp_rank, tp)
@@ -174,16 +180,18 @@ def _is_writer(rule: Rule) -> bool:
 
 def export_hf_weights(model, hf_config, out_dir: str | Path, dtype: torch.dtype | None = None,
                       max_shard_bytes: int = 2 * 1024**3) -> list[str]:
-    """Write `model` (all ranks call this) as HF safetensors shards + index in `out_dir`; the shard names.
+    """Write `model` (or its chunks; all ranks call this) as HF safetensors shards + index in `out_dir`; the
+    shard names.
 
     Parameters are written in `dtype`, by default the model's parameter dtype (megatron keeps norm weights
     in fp32 whatever that is; they were loaded from, and go back to, the checkpoint's dtype). Buffers (the
     router's expert bias) keep their own dtype: megatron and HF both hold them in fp32.
     """
     out_dir = Path(out_dir)
-    dtype = dtype or model.config.params_dtype
+    dtype = dtype or _chunks(model)[0].config.params_dtype
     shapes = shapes_for(hf_config)
-    items = [item for item in mapped_parameters(model, mapping_for(hf_config)) if item.rule.exported]
+    table = mapping_for(hf_config)
+    items = [item for chunk in _chunks(model) for item in mapped_parameters(chunk, table) if item.rule.exported]
     dtypes = {item.name: dtype if isinstance(item.param, torch.nn.Parameter) else item.param.dtype for item in items}
     plan = [(name, shape, dtypes[item.name]) for item in items if _is_writer(item.rule)
             for name, shape in expected_hf_shapes(item.rule, item.hf_names, item.param.shape, shapes,

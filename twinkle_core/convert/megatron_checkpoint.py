@@ -56,7 +56,7 @@ def save_megatron_checkpoint(model, directory: str | Path, hf_source: str | Path
         copy_hf_side_files(hf_source, directory / HF_DIR)
     if dist.is_initialized():
         dist.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(directory / MEGATRON_DIR))
+    dist_checkpointing.save(sharded_state_dict(model), str(directory / MEGATRON_DIR))
     if _is_rank0():
         info = {"format": "megatron-core dist_checkpointing (torch_dist)", "family": family,
                 "saved_at": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep}, "dtype": str(dtype)}
@@ -79,5 +79,19 @@ def load_megatron_checkpoint(model, directory: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     read_checkpoint_info(directory)
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(Path(directory) / MEGATRON_DIR))
-    model.load_state_dict(state)
+    state = dist_checkpointing.load(sharded_state_dict(model), str(Path(directory) / MEGATRON_DIR))
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    for index, chunk in enumerate(chunks):
+        chunk.load_state_dict(state[f"model{index}"] if len(chunks) > 1 else state)
+
+
+def sharded_state_dict(model) -> dict:
+    """A model's dist-checkpoint entries; model chunks (virtual pipeline stages) nest under model0, model1...
+
+    The entries carry global names and layer offsets, so any layout (with or without chunks) loads them.
+    """
+    if not isinstance(model, (list, tuple)):
+        return model.sharded_state_dict()
+    if len(model) == 1:
+        return model[0].sharded_state_dict()
+    return {f"model{index}": chunk.sharded_state_dict() for index, chunk in enumerate(model)}

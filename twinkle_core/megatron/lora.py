@@ -167,7 +167,8 @@ def merge_lora(model, sign: float = 1.0) -> None:
 
 
 def export_peft_adapter(model, hf_config, lora_config, output_dir: str | Path) -> Path:
-    """Write the adapter as a PEFT adapter directory of the HF model (all ranks call this; rank 0 writes)."""
+    """Write the adapter of `model` (or of its chunks) as a PEFT adapter directory of the HF model (all ranks
+    call this; rank 0 writes)."""
     from megatron.core import parallel_state as ps
     from peft import LoraConfig
     from safetensors.torch import save_file
@@ -179,8 +180,9 @@ def export_peft_adapter(model, hf_config, lora_config, output_dir: str | Path) -
     table, shapes = mapping_for(hf_config), shapes_for(hf_config)
     tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     tensors: dict[str, torch.Tensor] = {}
-    for name, module in lora_modules(model):
-        rule, hf_names = _find_rule(model, table, f"{name}.weight")
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    for chunk, name, module in ((chunk, name, module) for chunk in chunks for name, module in lora_modules(chunk)):
+        rule, hf_names = _find_rule(chunk, table, f"{name}.weight")
         split = module.lora_B if module.lora_column else module.lora_A
         shards = [split.detach().float()]
         if tp > 1:

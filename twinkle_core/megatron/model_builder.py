@@ -145,9 +145,10 @@ def check_layout(hf_config, layout: MegatronParallel) -> None:
         problems.append(f"ep={layout.ep} needs a mixture-of-experts model and this one has no experts; use ep=1")
     elif experts and experts % layout.ep:
         problems.append(f"ep={layout.ep} does not divide the {experts} routed experts; use an ep that does")
-    if hf_config.num_hidden_layers % layout.pp:
-        problems.append(f"pp={layout.pp} does not divide the {hf_config.num_hidden_layers} layers; use a pp "
-                        f"that does")
+    stages = layout.pp * (layout.vpp or 1)
+    if hf_config.num_hidden_layers % stages:
+        problems.append(f"pp={layout.pp}" + (f" x vpp={layout.vpp}" if layout.vpp else "") + f" does not divide "
+                        f"the {hf_config.num_hidden_layers} layers; use stages that do")
     if problems:
         raise UnsupportedArchitectureError(f"{hf_config.model_type}: " + "; ".join(problems) + ".")
 
@@ -176,6 +177,7 @@ def transformer_config_from_hf(hf_config, layout: MegatronParallel = MegatronPar
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
         expert_model_parallel_size=layout.ep, sequence_parallel=layout.sequence_parallel,
         use_cpu_initialization=True, perform_initialization=init_weights,
         **extra,
@@ -199,9 +201,20 @@ def _hf_inverse_frequencies(hf_config) -> torch.Tensor | None:
     return inv_freq.float()
 
 
+def build_gpt_chunks(hf_config, layout: MegatronParallel = MegatronParallel(), dtype: torch.dtype = torch.float32,
+                     init_weights: bool = False) -> list:
+    """This rank's model chunks: one GPTModel, or with virtual pipeline stages one per stage (same config)."""
+    if not layout.vpp:
+        return [build_gpt_model(hf_config, layout, dtype, init_weights)]
+    config = transformer_config_from_hf(hf_config, layout, dtype, init_weights)
+    return [build_gpt_model(hf_config, layout, dtype, init_weights, vp_stage=stage, config=config)
+            for stage in range(layout.vpp)]
+
+
 def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dtype: torch.dtype = torch.float32,
-                    init_weights: bool = False):
-    """This rank's part of the megatron `GPTModel` for `hf_config` (megatron's groups must be initialized)."""
+                    init_weights: bool = False, vp_stage: int | None = None, config=None):
+    """This rank's part of the megatron `GPTModel` for `hf_config` (megatron's groups must be initialized);
+    with virtual pipeline stages, the chunk of stage `vp_stage` (see build_gpt_chunks)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -209,10 +222,11 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
     from twinkle_core.megatron.mla_core_attention import MLACoreAttention
     from twinkle_core.megatron.sequence_parallel_norm import use_sequence_parallel_norms
 
-    config = transformer_config_from_hf(hf_config, layout, dtype, init_weights)
+    config = config or transformer_config_from_hf(hf_config, layout, dtype, init_weights)
     rope = _rope_parameters(hf_config)
     # The block spec gives each layer its own spec: dense or MoE as moe_layer_freq says.
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                      vp_stage=vp_stage)
     if layout.sequence_parallel:
         use_sequence_parallel_norms(spec)
     if config.multi_latent_attention:
@@ -222,7 +236,9 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
         config=config, transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(hf_config.vocab_size, layout.tp),
         max_sequence_length=hf_config.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        vp_stage=vp_stage,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope", rotary_base=rope["rope_theta"],
         rotary_percent=rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)),

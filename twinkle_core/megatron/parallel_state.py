@@ -23,11 +23,15 @@ class MegatronParallel:
     pp: int = 1
     ep: int = 1
     sequence_parallel: bool = False  # split the activations outside attention/MLP along the sequence (needs tp)
+    vpp: int | None = None  # virtual stages per pipeline rank: interleaved 1F1B over vpp model chunks (needs pp)
 
     def check(self, world_size: int) -> None:
         for name, size in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)):
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name}={size!r}: parallel sizes must be integers >= 1.")
+        if self.vpp is not None and (not isinstance(self.vpp, int) or self.vpp < 2 or self.pp == 1):
+            raise ValueError(f"vpp={self.vpp!r}: virtual pipeline stages interleave 2 or more model chunks per "
+                             "pipeline rank and need pp > 1; use vpp >= 2 with pp_size >= 2, or leave it empty.")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True splits the sequence over the tensor-parallel ranks and needs "
                              "tp > 1; set tp_size=2 or more, or sequence_parallel=False.")
@@ -50,11 +54,13 @@ def initialize_megatron_parallel(layout: MegatronParallel, seed: int = 0) -> Non
         current = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_pipeline_model_parallel_world_size(),
                    parallel_state.get_expert_model_parallel_world_size())
-        if current == (layout.tp, layout.pp, layout.ep):
+        if current == (layout.tp, layout.pp, layout.ep) and \
+                parallel_state.get_virtual_pipeline_model_parallel_world_size() == layout.vpp:
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
                                              pipeline_model_parallel_size=layout.pp,
+                                             virtual_pipeline_model_parallel_size=layout.vpp,
                                              expert_model_parallel_size=layout.ep)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

@@ -30,9 +30,10 @@ from transformers import AutoConfig, AutoTokenizer
 
 from twinkle_core.convert import export_hf_weights, load_hf_weights, megatron_family
 from twinkle_core.convert.megatron_checkpoint import (HF_DIR, copy_hf_side_files, is_megatron_checkpoint,
-                                                      load_megatron_checkpoint, read_checkpoint_info)
+                                                      load_megatron_checkpoint, read_checkpoint_info,
+                                                      sharded_state_dict)
 from twinkle_core.hub import resolve_model
-from twinkle_core.megatron import MegatronParallel, build_gpt_model, initialize_megatron_parallel
+from twinkle_core.megatron import MegatronParallel, build_gpt_chunks, initialize_megatron_parallel
 from twinkle_core.megatron.lora import add_megatron_lora, export_peft_adapter
 from twinkle_core.megatron.step import run_schedule, split_micro_batches
 from twinkle_core.models.batches import to_batch
@@ -51,13 +52,20 @@ class MegatronModel:
 
     def __init__(self, model_id: str, mixed_precision: str = "auto", tp_size: int = 1, pp_size: int = 1,
                  ep_size: int = 1, sequence_parallel: bool = False, dp_size: int | None = None,
-                 micro_batch_size: int = 1, use_distributed_optimizer: bool | None = None,
+                 virtual_pipeline_stages: int | None = None, micro_batch_size: int = 1, use_distributed_optimizer: bool | None = None,
                  max_length: int | None = None, seed: int = 0):
         """`dp_size`: None takes what tp × pp leave of the processes (a given one must equal it);
+        `virtual_pipeline_stages`: model chunks per pipeline rank (interleaved 1F1B; needs pp_size > 1);
         `use_distributed_optimizer`: shard optimizer state over data-parallel ranks (None: when dp > 1)."""
-        self.layout = MegatronParallel(tp=tp_size, pp=pp_size, ep=ep_size, sequence_parallel=sequence_parallel)
+        self.layout = MegatronParallel(tp=tp_size, pp=pp_size, ep=ep_size, sequence_parallel=sequence_parallel,
+                                       vpp=virtual_pipeline_stages)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.layout.check(world_size)
+        if virtual_pipeline_stages and pp_size == 2 and not torch.cuda.is_available():
+            # measured: with 2 stages both ring neighbours are the same rank, and gloo then pairs the
+            # interleaved schedule's activation and gradient messages wrongly (pp=4 matches one process)
+            raise ValueError("virtual_pipeline_stages with pp_size=2 is not supported over gloo (CPU): use "
+                             "pp_size >= 3, or no virtual stages.")
         if dp_size is not None and dp_size * tp_size * pp_size != world_size:
             raise ValueError(f"dp_size={dp_size} x tp_size={tp_size} x pp_size={pp_size} must equal the "
                              f"{world_size} processes; dp_size={world_size // (tp_size * pp_size)} would fit "
@@ -76,18 +84,21 @@ class MegatronModel:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         # megatron keeps the model in the compute dtype; its optimizer holds fp32 master weights (bf16/fp16)
-        self.model = build_gpt_model(self.hf_config, self.layout, self.precision.compute_dtype)
-        self.model.config.calculate_per_token_loss = True  # the loss is normalised by global trained tokens
+        # this rank's model chunks: one, or one per virtual pipeline stage
+        self.chunks = build_gpt_chunks(self.hf_config, self.layout, self.precision.compute_dtype)
+        for chunk in self.chunks:
+            chunk.config.calculate_per_token_loss = True  # the loss is normalised by global trained tokens
         if is_megatron_checkpoint(path):
-            load_megatron_checkpoint(self.model, path)
+            load_megatron_checkpoint(self.chunks, path)
         else:
-            load_hf_weights(self.model, self.hf_config, self.hf_dir)
-        self.model.to(self.device)
-        _to_compute_dtype(self.model, self.precision.compute_dtype)
+            load_hf_weights(self.chunks, self.hf_config, self.hf_dir)
+        for chunk in self.chunks:
+            chunk.to(self.device)
+            _to_compute_dtype(chunk, self.precision.compute_dtype)
         self.use_distributed_optimizer = use_distributed_optimizer
         self.adapter_name: str | None = None
         self.lora_config = None
-        self.ddp = None  # megatron's DistributedDataParallel around the model, from set_optimizer
+        self.ddp: list | None = None  # megatron's DistributedDataParallel around each chunk, from set_optimizer
         self.optimizer = None
         self._schedule: tuple[str, int, int] | None = None
         self.base_lr = 0.0
@@ -121,13 +132,14 @@ class MegatronModel:
                              "adapter.")
         if self.ddp is not None:
             raise RuntimeError("add_adapter_to_model: call it before set_optimizer.")
-        self.lora_config = add_megatron_lora(self.model, config)
+        for chunk in self.chunks:
+            self.lora_config = add_megatron_lora(chunk, config)
         self.adapter_name = name
         if gradient_accumulation_steps is not None:
             self.gradient_accumulation_steps = _positive("gradient_accumulation_steps", gradient_accumulation_steps)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+        return [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
 
     # ----- optimisation ----------------------------------------------------------------------------
     def set_optimizer(self, optimizer_cls: str = "AdamW", lr: float = 1e-4, weight_decay: float = 0.0,
@@ -149,18 +161,18 @@ class MegatronModel:
             raise RuntimeError("set_optimizer: the optimizer is already set.")
         distributed = self.data_parallel_size > 1 if self.use_distributed_optimizer is None \
             else self.use_distributed_optimizer
-        config = self.model.config
+        config = self.chunks[0].config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed,
                                                    average_in_collective=False)
-        self.ddp = DistributedDataParallel(config, ddp_config, self.model)
+        self.ddp = [DistributedDataParallel(chunk.config, ddp_config, chunk) for chunk in self.chunks]
         config.finalize_model_grads_func = self._finalize_grads
-        config.no_sync_func = self.ddp.no_sync
+        config.no_sync_func = self.ddp[0].no_sync if len(self.ddp) == 1 else [d.no_sync for d in self.ddp]
         self.base_lr = lr
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer=_OPTIMIZERS[optimizer_cls], lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
             adam_beta2=betas[1], adam_eps=eps, sgd_momentum=0.0, use_distributed_optimizer=distributed,
             bf16=self.precision.mode is MixedPrecision.bf16, fp16=self.precision.mode is MixedPrecision.fp16,
-            params_dtype=self.precision.compute_dtype, clip_grad=0.0), [self.ddp])
+            params_dtype=self.precision.compute_dtype, clip_grad=0.0), self.ddp)
 
     def set_lr_scheduler(self, scheduler_cls: str = "CosineWarmupScheduler", num_warmup_steps: int = 0,
                          num_training_steps: int = 1) -> None:
@@ -172,15 +184,17 @@ class MegatronModel:
     def forward_backward(self, inputs: list[dict] | dict) -> float:
         """Forward and backward this rank's rows (all their micro-batches); return their mean token loss."""
         self._require_optimizer("forward_backward")
-        self.ddp.train()
+        for module in self.ddp:
+            module.train()
         start = time.perf_counter()
         if self._pending is None:  # the first call of a step
-            self.ddp.zero_grad_buffer()
+            for module in self.ddp:
+                module.zero_grad_buffer()
             self.optimizer.zero_grad()
             self._pending = (0.0, 0, 0.0)
             self._calls, self._step_tokens = 0, None
         self._calls += 1
-        loss_sum, tokens = run_schedule([self.ddp], self._micro_batches(inputs), self.hf_config.vocab_size,
+        loss_sum, tokens = run_schedule(self.ddp, self._micro_batches(inputs), self.hf_config.vocab_size,
                                         forward_only=False)
         previous = self._pending
         self._pending = (previous[0] + loss_sum, previous[1] + tokens, previous[2] + time.perf_counter() - start)
@@ -222,9 +236,10 @@ class MegatronModel:
     @torch.no_grad()
     def forward_only(self, inputs: list[dict] | dict) -> float:
         """Evaluation forward; accumulates the held-out loss reported by calculate_metric(False)."""
-        module = self.ddp or self.model
-        module.eval()
-        loss_sum, tokens = run_schedule([module], self._micro_batches(inputs), self.hf_config.vocab_size,
+        modules = self.ddp or self.chunks
+        for module in modules:
+            module.eval()
+        loss_sum, tokens = run_schedule(modules, self._micro_batches(inputs), self.hf_config.vocab_size,
                                         forward_only=True)
         self._eval[0] += loss_sum
         self._eval[1] += tokens
@@ -250,10 +265,10 @@ class MegatronModel:
         from twinkle_core.convert.megatron_checkpoint import save_megatron_checkpoint
 
         target = Path(output_dir) / name
-        save_megatron_checkpoint(self.model, target, self.hf_dir, self.layout, self.family,
+        save_megatron_checkpoint(self.chunks, target, self.hf_dir, self.layout, self.family,
                                  self.precision.compute_dtype)
         if with_optimizer and self.optimizer is not None:
-            state = self.optimizer.sharded_state_dict(self.model.sharded_state_dict())
+            state = self.optimizer.sharded_state_dict(sharded_state_dict(self.chunks))
             (target / "optimizer").mkdir(exist_ok=True)
             _barrier()
             dist_checkpointing.save(state, str(target / "optimizer"))
@@ -268,10 +283,10 @@ class MegatronModel:
         from megatron.core import dist_checkpointing
 
         source = Path(output_dir) / name
-        load_megatron_checkpoint(self.model, source)
+        load_megatron_checkpoint(self.chunks, source)
         state = json.loads((source / TRAINING_STATE).read_text()) if (source / TRAINING_STATE).is_file() else {}
         if self.optimizer is not None and (source / "optimizer").is_dir():
-            sharded = self.optimizer.sharded_state_dict(self.model.sharded_state_dict(), is_loading=True)
+            sharded = self.optimizer.sharded_state_dict(sharded_state_dict(self.chunks), is_loading=True)
             self.optimizer.load_state_dict(dist_checkpointing.load(sharded, str(source / "optimizer")))
             self.optimizer.reload_model_params()  # the fp32 main weights from the model just loaded
             self.step = int(state.get("step", 0))
@@ -281,10 +296,10 @@ class MegatronModel:
         """Export through the bridge: HF safetensors + config + tokenizer, or with LoRA a PEFT adapter."""
         output_dir = Path(output_dir)
         if self.adapter_name is not None and not merge_adapter:
-            export_peft_adapter(self.model, self.hf_config, self.lora_config, output_dir)
+            export_peft_adapter(self.chunks, self.hf_config, self.lora_config, output_dir)
         else:
-            with _merged(self.model, merge_adapter and self.adapter_name is not None):
-                export_hf_weights(self.model, self.hf_config, output_dir)
+            with _merged(self.chunks, merge_adapter and self.adapter_name is not None):
+                export_hf_weights(self.chunks, self.hf_config, output_dir)
             if _is_rank0():
                 copy_hf_side_files(self.hf_dir, output_dir)
         _barrier()
@@ -366,15 +381,17 @@ def _barrier() -> None:
 class _merged:
     """Fold the LoRA deltas into the base weights for an export, and take them out again afterwards."""
 
-    def __init__(self, model, enabled: bool):
-        self.model, self.enabled = model, enabled
+    def __init__(self, chunks: list, enabled: bool):
+        self.chunks, self.enabled = chunks, enabled
 
     def __enter__(self):
         if self.enabled:
             from twinkle_core.megatron.lora import merge_lora
-            merge_lora(self.model, sign=1.0)
+            for chunk in self.chunks:
+                merge_lora(chunk, sign=1.0)
 
     def __exit__(self, *exc):
         if self.enabled:
             from twinkle_core.megatron.lora import merge_lora
-            merge_lora(self.model, sign=-1.0)
+            for chunk in self.chunks:
+                merge_lora(chunk, sign=-1.0)

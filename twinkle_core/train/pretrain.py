@@ -41,6 +41,7 @@ class PretrainRunConfig(RunConfigFile):
     mixed_precision: str
     parallel: ParallelConfig
     sequence_parallel: bool
+    virtual_pipeline_stages: int | None
     micro_batch_size: int = Field(ge=1)
     global_batch_size: int = Field(ge=1)
     max_steps: int = Field(ge=1)
@@ -76,6 +77,7 @@ class PretrainRecipe:
         self.model = MegatronModel(str(cfg.model_path), mixed_precision=cfg.mixed_precision,
                                    tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size,
                                    ep_size=cfg.parallel.ep_size, sequence_parallel=cfg.sequence_parallel,
+                                   virtual_pipeline_stages=cfg.virtual_pipeline_stages,
                                    micro_batch_size=cfg.micro_batch_size, seed=cfg.seed)
         dp = self.model.data_parallel_size
         if cfg.global_batch_size % (dp * cfg.micro_batch_size):

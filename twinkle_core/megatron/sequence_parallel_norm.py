@@ -21,6 +21,14 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+class ReplicatedRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for a norm whose input every tp rank holds whole (MLA's q/kv latents): untagged,
+    so its gradient, already whole on each rank, is not summed again."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_megatron_norm_options):
+        super().__init__(hidden_size, eps=eps)
+
+
 def use_sequence_parallel_norms(spec) -> None:
     """Replace megatron's wrapped torch norms everywhere in a (block or layer) spec, in place."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm

@@ -84,13 +84,20 @@ class PretrainConfig(BaseModel):
                              "use 'bf16' (recommended) or 'no'.")
         layout = MegatronParallel(self.tp_size, self.pp_size, self.ep_size, self.sequence_parallel,
                                   self.virtual_pipeline_stages)
-        layout.check(self.nproc_per_node * self.nnodes)
-        dp = self.nproc_per_node * self.nnodes // (self.tp_size * self.pp_size)
+        layout.check(self.world_size())
+        dp = self.data_parallel_size()
         if self.global_batch_size % (dp * self.micro_batch_size):
             raise ValueError(f"global_batch_size={self.global_batch_size} must be a multiple of data-parallel size "
                              f"{dp} x micro_batch_size={self.micro_batch_size}; e.g. "
                              f"global_batch_size={dp * self.micro_batch_size * max(1, self.global_batch_size // (dp * self.micro_batch_size))}.")
         return self
+
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def data_parallel_size(self) -> int:
+        """The processes that tp × pp leave: each trains on its share of every global batch."""
+        return self.world_size() // (self.tp_size * self.pp_size)
 
     def model_name(self) -> str:
         if self.registered_model_name:
@@ -126,8 +133,8 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> dict:
             return {"summary": "training finished; the machine that held global rank 0 converts and registers",
                     "run_id": run_id}
         exported = to_hf(open_megatron_checkpoint(checkpoint.path), config.tp_size, config.pp_size, timeout_s)
-        data_parallel = config.nproc_per_node * config.nnodes // (config.tp_size * config.pp_size)
-        report = evaluate_lm(exported, data, data_parallel * config.micro_batch_size, config.eval_batches,
+        rows = config.data_parallel_size() * config.micro_batch_size  # the trainer's validation batch
+        report = evaluate_lm(exported, data, rows, config.eval_batches,
                              config.seed, config.document_masks, run_id)
         hf_checkpoint = CheckpointRef(path=exported.path, is_adapter=False, final_metrics=checkpoint.final_metrics,
                                       train_seconds=checkpoint.train_seconds, probe_loss=report["loss"])
@@ -155,7 +162,7 @@ def _summary(config: PretrainConfig, checkpoint: CheckpointRef, report: dict, re
         f"- model: `{config.model_id}`, corpus `{config.dataset}`: {data.train_sequences} training and "
         f"{data.validation_sequences} validation sequences of {config.seq_length} tokens",
         f"- {config.max_steps} steps of {config.global_batch_size} sequences on megatron-core, "
-        f"{config.nproc_per_node * config.nnodes} process(es), {layout}, {checkpoint.train_seconds:.1f} s",
+        f"{config.world_size()} process(es), {layout}, {checkpoint.train_seconds:.1f} s",
         f"- last step: loss {m.get('loss', float('nan')):.4f}, {m.get('tokens_per_s_total', 0):.0f} tokens/s, "
         f"MFU {100 * m.get('mfu', 0):.1f}%, peak memory {m.get('peak_memory_mb', 0):.0f} MB", "",
         "| validation loss | Megatron (base) | Megatron (trained) | exported HF model |",

@@ -21,12 +21,36 @@ import torch.distributed as dist
 IGNORE_INDEX = -100
 
 
+@dataclass(frozen=True)
+class RowBlock:
+    """Rows `start:stop` of a micro-batch go through adapter `adapter` (multi-tenant LoRA)."""
+
+    adapter: str
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.stop)
+
+
 @dataclass
 class MicroBatch:
     tokens: torch.Tensor  # [b, s]
     labels: torch.Tensor  # [b, s] shifted: the token each position predicts (0 where untrained)
     loss_mask: torch.Tensor  # [b, s] 1.0 where a position is trained
     attention_mask: torch.Tensor | None  # [b, 1, s, s] bool, True = masked out; None = causal
+    blocks: tuple[RowBlock, ...] | None = None  # each tenant's rows (None: one model, every row)
+
+
+def row_blocks(row_adapters: list[str]) -> tuple[RowBlock, ...]:
+    """The runs of equal adapter names in `row_adapters` (rows sorted by tenant give one block per tenant)."""
+    blocks, start = [], 0
+    for i in range(1, len(row_adapters) + 1):
+        if i == len(row_adapters) or row_adapters[i] != row_adapters[start]:
+            blocks.append(RowBlock(row_adapters[start], start, i))
+            start = i
+    return tuple(blocks)
 
 
 def _megatron_attention_mask(mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> torch.Tensor | None:
@@ -45,8 +69,11 @@ def _megatron_attention_mask(mask: torch.Tensor | None, position_ids: torch.Tens
     return mask != 0 if mask.dtype == torch.bool else mask < 0
 
 
-def split_micro_batches(batch: dict, micro_batch_size: int, pad_multiple: int = 1) -> list[MicroBatch]:
-    """Shift labels over each whole row, pad the length to `pad_multiple` (sequence parallelism), cut rows."""
+def split_micro_batches(batch: dict, micro_batch_size: int, pad_multiple: int = 1,
+                        row_adapters: list[str] | None = None) -> list[MicroBatch]:
+    """Shift labels over each whole row, pad the length to `pad_multiple` (sequence parallelism), cut rows.
+
+    `row_adapters`: each row's adapter (multi-tenant LoRA); every micro-batch gets the blocks of its rows."""
     tokens, labels = batch["input_ids"], batch["labels"]
     rows = tokens.shape[0]
     if rows % micro_batch_size:
@@ -64,7 +91,8 @@ def split_micro_batches(batch: dict, micro_batch_size: int, pad_multiple: int = 
     loss_mask = (shifted != IGNORE_INDEX).float()
     return [MicroBatch(tokens[i:i + micro_batch_size], shifted[i:i + micro_batch_size].clamp(min=0),
                        loss_mask[i:i + micro_batch_size],
-                       None if attention is None else attention[i:i + micro_batch_size])
+                       None if attention is None else attention[i:i + micro_batch_size],
+                       None if row_adapters is None else row_blocks(row_adapters[i:i + micro_batch_size]))
             for i in range(0, rows, micro_batch_size)]
 
 
@@ -81,28 +109,50 @@ def vocab_masked_token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_
     return vocab_parallel_cross_entropy(logits.float(), labels)
 
 
-def make_forward_step(vocab_size: int):
-    """The `forward_step_func` of megatron's schedules: run a micro-batch, return its summed loss and tokens."""
+def make_forward_step(vocab_size: int, router=None, tenants: list[str] | None = None):
+    """The `forward_step_func` of megatron's schedules: run a micro-batch, return its summed loss and tokens.
+
+    With a LoRA `router` and the call's `tenants`, each micro-batch's row blocks go through their tenants'
+    adapters, and the report also carries every tenant's summed loss and tokens (zeros where it has no rows).
+    """
 
     def forward_step(data_iterator, model):
         micro: MicroBatch = next(data_iterator)
         positions = torch.arange(micro.tokens.shape[1], device=micro.tokens.device).expand_as(micro.tokens)
-        logits = model(micro.tokens, positions, micro.attention_mask)  # [b, s, V/tp] on the last stage
+        if router is not None and micro.blocks is not None:
+            with router.route(micro.blocks):
+                logits = model(micro.tokens, positions, micro.attention_mask)
+        else:
+            logits = model(micro.tokens, positions, micro.attention_mask)  # [b, s, V/tp] on the last stage
 
         def loss_func(output: torch.Tensor):
-            losses = vocab_masked_token_losses(output.contiguous(), micro.labels, vocab_size)
-            loss_sum = (losses * micro.loss_mask).sum()
+            losses = vocab_masked_token_losses(output.contiguous(), micro.labels, vocab_size) * micro.loss_mask
+            loss_sum = losses.sum()
             tokens = micro.loss_mask.sum().to(torch.int)
-            return loss_sum, tokens, {"loss": torch.stack([loss_sum.detach(), tokens.detach().float()])}
+            report = {"loss": torch.stack([loss_sum.detach(), tokens.detach().float()])}
+            if tenants is not None:
+                report["tenants"] = _tenant_sums(losses.detach(), micro, tenants)
+            return loss_sum, tokens, report
 
         return logits, loss_func
 
     return forward_step
 
 
-def run_schedule(model_chunks: list, micro_batches: list[MicroBatch], vocab_size: int,
-                 forward_only: bool) -> tuple[float, int]:
-    """Run every micro-batch through the pipeline; (summed loss, trained tokens) of this data-parallel rank.
+def _tenant_sums(losses: torch.Tensor, micro: MicroBatch, tenants: list[str]) -> torch.Tensor:
+    """[tenant, (summed loss, trained tokens)] of one micro-batch's masked per-token losses [b, s]."""
+    sums = torch.zeros(len(tenants), 2, device=losses.device)
+    for block in micro.blocks or ():
+        index = tenants.index(block.adapter)
+        sums[index, 0] += losses[block.rows].sum()
+        sums[index, 1] += micro.loss_mask[block.rows].sum()
+    return sums
+
+
+def run_schedule(model_chunks: list, micro_batches: list[MicroBatch], vocab_size: int, forward_only: bool,
+                 router=None, tenants: list[str] | None = None) -> tuple[float, int] | tuple[float, int, list]:
+    """Run every micro-batch through the pipeline; (summed loss, trained tokens) of this data-parallel rank,
+    and with `tenants` a third item: [(summed loss, trained tokens)] per tenant.
 
     The numbers live on the last pipeline stage; they are broadcast over the pipeline so every rank returns them.
     """
@@ -112,13 +162,18 @@ def run_schedule(model_chunks: list, micro_batches: list[MicroBatch], vocab_size
     first = micro_batches[0]
     data = iter(micro_batches) if len(model_chunks) == 1 else [iter(micro_batches) for _ in model_chunks]
     reports = get_forward_backward_func()(
-        forward_step_func=make_forward_step(vocab_size), data_iterator=data, model=model_chunks,
+        forward_step_func=make_forward_step(vocab_size, router, tenants), data_iterator=data, model=model_chunks,
         num_microbatches=len(micro_batches), seq_length=first.tokens.shape[1],
         micro_batch_size=first.tokens.shape[0], forward_only=forward_only)
-    totals = torch.zeros(2, device=first.tokens.device)
+    width = 2 + 2 * len(tenants or ())
+    totals = torch.zeros(width, device=first.tokens.device)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
-        totals = torch.stack([report["loss"] for report in reports]).sum(0).to(first.tokens.device)
+        rows = [torch.cat([r["loss"], *([r["tenants"].flatten()] if tenants else [])]) for r in reports]
+        totals = torch.stack(rows).sum(0).to(first.tokens.device)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(totals, src=ps.get_pipeline_model_parallel_last_rank(),
                        group=ps.get_pipeline_model_parallel_group())
-    return float(totals[0]), int(totals[1])
+    if tenants is None:
+        return float(totals[0]), int(totals[1])
+    per_tenant = [(float(loss), int(tokens)) for loss, tokens in totals[2:].view(-1, 2).tolist()]
+    return float(totals[0]), int(totals[1]), per_tenant

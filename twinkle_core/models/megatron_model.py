@@ -34,7 +34,8 @@ from twinkle_core.convert.megatron_checkpoint import (HF_DIR, copy_hf_side_files
                                                       sharded_state_dict)
 from twinkle_core.hub import resolve_model
 from twinkle_core.megatron import MegatronParallel, build_gpt_chunks, initialize_megatron_parallel
-from twinkle_core.megatron.lora import add_megatron_lora, export_peft_adapter
+from twinkle_core.megatron.lora import add_megatron_lora, merge_lora
+from twinkle_core.megatron.lora_peft import export_peft_adapter
 from twinkle_core.megatron.step import run_schedule, split_micro_batches
 from twinkle_core.models.batches import to_batch
 from twinkle_core.models.schedulers import lr_factor
@@ -80,6 +81,7 @@ class MegatronModel:
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
         self.micro_batch_size = _positive("micro_batch_size", micro_batch_size)
         self.max_length = max_length
+        self.seed = seed
         initialize_megatron_parallel(self.layout, seed=seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
@@ -133,7 +135,7 @@ class MegatronModel:
         if self.ddp is not None:
             raise RuntimeError("add_adapter_to_model: call it before set_optimizer.")
         for chunk in self.chunks:
-            self.lora_config = add_megatron_lora(chunk, config)
+            self.lora_config = add_megatron_lora(chunk, config, name, seed=self.seed)
         self.adapter_name = name
         if gradient_accumulation_steps is not None:
             self.gradient_accumulation_steps = _positive("gradient_accumulation_steps", gradient_accumulation_steps)
@@ -296,9 +298,9 @@ class MegatronModel:
         """Export through the bridge: HF safetensors + config + tokenizer, or with LoRA a PEFT adapter."""
         output_dir = Path(output_dir)
         if self.adapter_name is not None and not merge_adapter:
-            export_peft_adapter(self.chunks, self.hf_config, self.lora_config, output_dir)
+            export_peft_adapter(self.chunks, self.hf_config, self.lora_config, output_dir, self.adapter_name)
         else:
-            with _merged(self.chunks, merge_adapter and self.adapter_name is not None):
+            with _merged(self.chunks, self.adapter_name if merge_adapter else None):
                 export_hf_weights(self.chunks, self.hf_config, output_dir)
             if _is_rank0():
                 copy_hf_side_files(self.hf_dir, output_dir)
@@ -379,19 +381,15 @@ def _barrier() -> None:
 
 
 class _merged:
-    """Fold the LoRA deltas into the base weights for an export, and take them out again afterwards."""
+    """Fold adapter `adapter_name`'s deltas into the base weights for an export, and take them out afterwards."""
 
-    def __init__(self, chunks: list, enabled: bool):
-        self.chunks, self.enabled = chunks, enabled
+    def __init__(self, chunks: list, adapter_name: str | None):
+        self.chunks, self.adapter_name = chunks, adapter_name
 
     def __enter__(self):
-        if self.enabled:
-            from twinkle_core.megatron.lora import merge_lora
-            for chunk in self.chunks:
-                merge_lora(chunk, sign=1.0)
+        for chunk in self.chunks if self.adapter_name else []:
+            merge_lora(chunk, self.adapter_name, sign=1.0)
 
     def __exit__(self, *exc):
-        if self.enabled:
-            from twinkle_core.megatron.lora import merge_lora
-            for chunk in self.chunks:
-                merge_lora(chunk, sign=-1.0)
+        for chunk in self.chunks if self.adapter_name else []:
+            merge_lora(chunk, self.adapter_name, sign=-1.0)

@@ -38,7 +38,7 @@ from twinkle_core.models.checkpoint import ADAPTER_CONFIG, gather_full_state_dic
 from twinkle_core.models.lora_routing import LoraRouter, RowGroup
 from twinkle_core.models.mixed_batch import TenantLossModule, group_rows, seen_tokens
 from twinkle_core.models.schedulers import build_scheduler
-from twinkle_core.models.stepper import Stepper
+from twinkle_core.models.stepper import Stepper, optimizer_class
 from twinkle_core.models.tenants import Tenant, TenantSlots, adapter_of
 from twinkle_core.models.transformers_model import TransformersModel, _check_accumulation
 from twinkle_core.parallel import DeviceMesh, is_main_process
@@ -144,10 +144,7 @@ class MultiLoraTransformersModel(TransformersModel):
                       gradient_accumulation_steps: int | None = None, *, adapter_name: str, **kw) -> None:
         """Give tenant `adapter_name` its own optimizer over its own adapter weights (`kw` go to the class)."""
         tenant = self.slots.get(adapter_name, "set_optimizer")
-        if isinstance(optimizer_cls, str):
-            if not hasattr(torch.optim, optimizer_cls):
-                raise ValueError(f"optimizer_cls={optimizer_cls!r} is not in torch.optim (e.g. 'AdamW', 'SGD').")
-            optimizer_cls = getattr(torch.optim, optimizer_cls)
+        optimizer_cls = optimizer_class(optimizer_cls)
         if gradient_accumulation_steps is not None:
             tenant.gradient_accumulation_steps = _check_accumulation(gradient_accumulation_steps)
         module = self._loss_module()

@@ -45,6 +45,15 @@ def held_out_metrics(loss_sum: float, tokens: float) -> dict[str, float]:
     return {"loss": loss, "perplexity": float(torch.exp(torch.tensor(loss))), "tokens": tokens}
 
 
+def optimizer_class(optimizer_cls: str | type) -> type:
+    """A torch.optim class from its name (a class is returned as it is)."""
+    if isinstance(optimizer_cls, str):
+        if not hasattr(torch.optim, optimizer_cls):
+            raise ValueError(f"optimizer_cls={optimizer_cls!r} is not in torch.optim (e.g. 'AdamW', 'SGD').")
+        return getattr(torch.optim, optimizer_cls)
+    return optimizer_cls
+
+
 @dataclass
 class Stepper:
     parameters: list[torch.nn.Parameter]

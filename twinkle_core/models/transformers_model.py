@@ -35,7 +35,7 @@ from twinkle_core.models.batches import count_input_tokens, to_batch
 from twinkle_core.models.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
 from twinkle_core.models.loss import LossModule, resolve_router_aux_loss_coef
 from twinkle_core.models.schedulers import build_scheduler
-from twinkle_core.models.stepper import Stepper, held_out_metrics
+from twinkle_core.models.stepper import Stepper, held_out_metrics, optimizer_class
 from twinkle_core.parallel import DeviceMesh, build_strategy, close_distributed, is_main_process, parse_strategy
 from twinkle_core.parallel.mesh import validate_mesh_sizes
 from twinkle_core.parallel.process_group import barrier
@@ -156,10 +156,7 @@ class TransformersModel:
         self, optimizer_cls: str | type = "AdamW", lr: float = 1e-4, gradient_accumulation_steps: int | None = None, **kw
     ) -> None:
         """Create the optimizer over the trainable parameters (`kw` go to the optimizer class)."""
-        if isinstance(optimizer_cls, str):
-            if not hasattr(torch.optim, optimizer_cls):
-                raise ValueError(f"optimizer_cls={optimizer_cls!r} is not in torch.optim (e.g. 'AdamW', 'SGD').")
-            optimizer_cls = getattr(torch.optim, optimizer_cls)
+        optimizer_cls = optimizer_class(optimizer_cls)
         if gradient_accumulation_steps is not None:
             self.gradient_accumulation_steps = _check_accumulation(gradient_accumulation_steps)
         # The strategy wraps or shards the model first where the optimizer must see the sharded parameters.

@@ -4,6 +4,7 @@
     python -m flows.multi_lora                  # two default tenants (Twinkle and Nova) on the embedded model
     python -m flows.multi_lora --help           # every option
     python -m flows.multi_lora --config tenants.yaml
+    python -m flows.multi_lora --backend megatron --nproc-per-node 2 --tp-size 2   # on megatron-core
 
 Every tenant trains its own LoRA adapter on one shared base model, in one training job; by default each
 round trains all tenants' micro-batches in one mixed batch (one base-model pass). Each tenant gets its own
@@ -36,6 +37,7 @@ from tasks.track import finish_tracking, start_tracking
 from tasks.track_tenants import fail_tenant_tracking, start_tenant_tracking
 from tasks.train_multi_lora import train_tenants
 from twinkle_core.families import check_model_id
+from twinkle_core.megatron.parallel_state import MegatronParallel
 from twinkle_core.parallel import ParallelConfig, Strategy, check_parallel_config
 from twinkle_core.precision import resolve_precision
 from twinkle_core.tracking import tracking_uri
@@ -80,7 +82,7 @@ class MultiLoraConfig(BaseModel):
     """Parameters of the multi_lora flow (the Prefect UI form and the CLI options)."""
 
     model_id: str = Field(DEFAULT_MODEL, description="Base model: ms://org/name[@rev], hf://org/name[@rev], pkg://package/path, or a local path.")
-    backend: Literal["transformers", "megatron"] = Field("transformers", description="Training backend (megatron arrives with MegatronModel).")
+    backend: Literal["transformers", "megatron"] = Field("transformers", description="Training backend: transformers (DDP/FSDP over the processes), or megatron (megatron-core: tp_size x pp_size, data parallel over the rest; Megatron-capable families only).")
     tenants: list[TenantSpec] = Field(default_factory=lambda: list(DEFAULT_TENANTS), min_length=1, description="The tenants, as a YAML/JSON list of {name, dataset, eval_dataset, lora_r, lr, ...}.")
     mixed_batches: bool = Field(True, description="Train every tenant's micro-batch of a round in one mixed batch (one base-model pass); false: one after another.")
     max_loras: int | None = Field(None, ge=1, description="Adapter slots on the model (empty: the number of tenants).")
@@ -92,6 +94,10 @@ class MultiLoraConfig(BaseModel):
     nproc_per_node: int = Field(1, ge=1, description="Training processes on this machine (alone: FSDP over them).")
     dp_size: int = Field(1, ge=1, description="Data-parallel replicas (alone: DDP; with FSDP: HSDP).")
     fsdp_size: int | None = Field(None, ge=1, description="FSDP shard group size (empty: the processes that dp_size leaves).")
+    tp_size: int = Field(1, ge=1, description="Backend megatron: tensor-parallel size (each base weight and adapter split over this many processes).")
+    pp_size: int = Field(1, ge=1, description="Backend megatron: pipeline stages (1F1B over the micro-batches).")
+    sequence_parallel: bool = Field(False, description="Backend megatron: split activations along the sequence over the tp ranks (needs tp_size > 1).")
+    micro_batch_size: int = Field(1, ge=1, description="Backend megatron: rows per micro-batch of the pipeline schedule (a round's rows on each rank must be a multiple).")
     eval_prompts: int = Field(2, ge=0, description="Held-out prompts answered greedily by the base and each tenant's model.")
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per answer.")
     registered_model_prefix: str | None = Field(None, description="Registered models are named <prefix>-<tenant> (default: from the model id).")
@@ -104,9 +110,6 @@ class MultiLoraConfig(BaseModel):
         """Reject unsupported combinations before anything starts (named option, what works)."""
         import torch
 
-        if self.backend == "megatron":
-            raise ValueError("backend='megatron': multi-tenant LoRA on Megatron arrives with MegatronModel (a later "
-                             "release); use backend='transformers'.")
         names = [t.name for t in self.tenants]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -120,8 +123,25 @@ class MultiLoraConfig(BaseModel):
                              "or leave it empty.")
         check_model_id(self.model_id)
         resolve_precision(self.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
-        check_parallel_config(self.parallel())
+        if self.backend == "megatron":
+            self._check_megatron()
+        elif self.tp_size > 1 or self.pp_size > 1 or self.sequence_parallel:
+            raise ValueError("tp_size, pp_size and sequence_parallel split the model on backend='megatron'; "
+                             "multi-tenant LoRA on backend='transformers' runs under DDP/FSDP (dp_size, fsdp_size).")
+        else:
+            check_parallel_config(self.parallel())
         return self
+
+    def _check_megatron(self) -> None:
+        problems = [f"{name}={getattr(self, name)!r}: {why}" for name, bad, why in (
+            ("mixed_precision", self.mixed_precision == "fp16", "each tenant would need its own loss scaler; use "
+                                                               "bf16 or no"),
+            ("dp_size", self.dp_size > 1, "megatron's data parallelism is what tp_size x pp_size leave; use 1"),
+            ("fsdp_size", self.fsdp_size not in (None, 1), "FSDP belongs to the Transformers backend"),
+        ) if bad]
+        if problems:
+            raise ValueError("backend='megatron': " + "; ".join(problems) + ".")
+        MegatronParallel(self.tp_size, self.pp_size, 1, self.sequence_parallel).check(self.nproc_per_node)
 
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(**self.model_dump(include=set(ParallelConfig.model_fields)))
@@ -135,6 +155,7 @@ class MultiLoraConfig(BaseModel):
     def run_config(self, model: ModelRef, tenants: list[TenantRunConfig], checkpoint_dir: Path) -> MultiLoraRunConfig:
         return MultiLoraRunConfig(
             model_id=self.model_id, model_path=model.path, family=model.family, checkpoint_dir=checkpoint_dir,
+            backend=self.backend, micro_batch_size=self.micro_batch_size,
             mixed_precision=self.mixed_precision, parallel=self.parallel(), max_loras=self.max_loras or len(tenants),
             max_r=self.max_r or max(t.lora_r for t in tenants), mixed_batches=self.mixed_batches, tenants=tenants,
             tracking_uri=tracking_uri())
@@ -150,7 +171,8 @@ def multi_lora(config: MultiLoraConfig = MultiLoraConfig()) -> dict:
     log = get_run_logger()
     run_dir = Path(config.output_dir).resolve() / f"{time.strftime('%Y%m%d-%H%M%S')}-{flow_run.name or 'local'}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    model = convert(download_model(config.model_id), config.backend)
+    hf_model = download_model(config.model_id)  # tokenizing and evaluation use the HF checkpoint
+    model = convert(hf_model, config.backend, config.tp_size, config.pp_size, config.timeout_minutes * 60)
     parent = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json", exclude={"tenants"}),
                             {"flow": "multi_lora", "model_id": config.model_id, "prefect_flow_run": str(flow_run.id)})
     runs, prepared, failures, results = {}, {}, {}, {}
@@ -158,7 +180,7 @@ def multi_lora(config: MultiLoraConfig = MultiLoraConfig()) -> dict:
         runs[tenant.name] = start_tenant_tracking(config.experiment_name, parent, tenant.name,
                                                   tenant.model_dump(mode="json"))
         try:
-            prepared[tenant.name] = _prepare_tenant(config, tenant, model, runs[tenant.name])
+            prepared[tenant.name] = _prepare_tenant(config, tenant, hf_model, runs[tenant.name])
         except Exception as exc:  # noqa: BLE001 - reported with the tenant, the others go on
             failures[tenant.name] = _error(exc)
     try:
@@ -173,7 +195,7 @@ def multi_lora(config: MultiLoraConfig = MultiLoraConfig()) -> dict:
     failures.update(train_failures)
     for name, checkpoint in checkpoints.items():
         try:
-            results[name] = _evaluate_and_register(config, name, model, checkpoint, prepared[name], run_dir)
+            results[name] = _evaluate_and_register(config, name, hf_model, checkpoint, prepared[name], run_dir)
             finish_tracking(runs[name])
         except Exception as exc:  # noqa: BLE001 - one tenant's evaluation or registration fails alone
             failures[name] = _error(exc)
@@ -213,7 +235,7 @@ def _evaluate_and_register(config: MultiLoraConfig, name: str, model: ModelRef, 
 
 
 def _summary(config: MultiLoraConfig, results: dict, failures: dict, parent: str) -> str:
-    lines = ["## Twinkle Flows: multi-tenant LoRA summary", "", f"model: {config.model_id}, "
+    lines = ["## Twinkle Flows: multi-tenant LoRA summary", "", f"model: {config.model_id} on {config.backend}, "
              f"{'mixed batches' if config.mixed_batches else 'tenants one after another'}, {config.mixed_precision}",
              "", "| tenant | status | final train loss | held-out loss base → trained | registered |",
              "|---|---|---|---|---|"]

@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 1 -m twinkle_core.train.multi_lora run.json
 
-setup → train → save_checkpoint → cleanup, like the SFT recipe, for every tenant of the run at once. Each
+setup → train → save_checkpoint → cleanup, like the SFT recipe, for every tenant of the run at once, on
+MultiLoraTransformersModel or (`backend="megatron"`) MultiLoraMegatronModel; both write PEFT adapters. Each
 round takes the next micro-batch of every tenant that still has steps to go and either trains them in one
 mixed batch (one base-model pass; `mixed_batches`) or one after another; each tenant then steps on its own
 accumulation boundary, with its own optimizer and schedule, and logs to its own MLflow run.
@@ -23,7 +24,7 @@ import torch
 
 from twinkle_core.data import collate, load_tokenized
 from twinkle_core.entry import worker_config_path
-from twinkle_core.models import MultiLoraTransformersModel
+from twinkle_core.models import MultiLoraMegatronModel, MultiLoraTransformersModel
 from twinkle_core.parallel import is_main_process, local_micro_batches, worker_mesh, world_size_from_env
 from twinkle_core.tracking import MetricsLogger
 from twinkle_core.train.multi_lora_config import MultiLoraRunConfig, TenantRunConfig
@@ -52,12 +53,7 @@ class MultiLoraRecipe:
 
     def setup(self) -> None:
         cfg = self.config
-        self.model = MultiLoraTransformersModel(
-            str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=cfg.parallel.strategy.value,
-            device_mesh=worker_mesh(cfg.parallel), family=cfg.family, max_loras=cfg.max_loras, max_r=cfg.max_r,
-            # mixed batches train tenants together: the MoE router loss (a statistic over all rows) stays off
-            router_aux_loss_coef=0.0 if cfg.mixed_batches else None,
-        )
+        self.model = self._build_model()
         self.pad_id = self.model.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.model.tokenizer.eos_token_id
@@ -79,12 +75,28 @@ class MultiLoraRecipe:
             emit("tenant_setup", tenant=tenant.name, examples=len(run.examples), total_steps=run.total_steps,
                  trainable_params=sum(p.numel() for p in self.model.tenant_parameters(tenant.name)))
 
+    def _build_model(self):
+        cfg, parallel = self.config, self.config.parallel
+        if cfg.backend == "megatron":  # tp × pp over the processes, data parallel over what they leave
+            return MultiLoraMegatronModel(
+                str(cfg.model_path), mixed_precision=cfg.mixed_precision, tp_size=parallel.tp_size,
+                pp_size=parallel.pp_size, ep_size=parallel.ep_size, sequence_parallel=parallel.sequence_parallel,
+                micro_batch_size=cfg.micro_batch_size, max_loras=cfg.max_loras, max_r=cfg.max_r)
+        return MultiLoraTransformersModel(
+            str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=parallel.strategy.value,
+            device_mesh=worker_mesh(parallel), family=cfg.family, max_loras=cfg.max_loras, max_r=cfg.max_r,
+            # mixed batches train tenants together: the MoE router loss (a statistic over all rows) stays off
+            router_aux_loss_coef=0.0 if cfg.mixed_batches else None,
+        )
+
     def _add_tenant(self, tenant: TenantRunConfig) -> None:
         examples = load_tokenized(tenant.train_data)
         if not examples:
             raise ValueError(f"train_data {tenant.train_data} holds no examples.")
-        torch.manual_seed(tenant.seed)  # the adapter's initial weights
-        self.model.add_adapter_to_model(tenant.name, tenant.lora_config(), tenant.gradient_accumulation_steps)
+        torch.manual_seed(tenant.seed)  # the adapter's initial weights (megatron: seeded per layer)
+        seeded = {"seed": tenant.seed} if self.config.backend == "megatron" else {}
+        self.model.add_adapter_to_model(tenant.name, tenant.lora_config(), tenant.gradient_accumulation_steps,
+                                        **seeded)
         per_epoch = math.ceil(len(examples) / tenant.batch_size) // tenant.gradient_accumulation_steps
         total = tenant.max_steps or max(1, math.ceil(per_epoch * tenant.epochs))
         run_id = tenant.mlflow_run_id if is_main_process() else None

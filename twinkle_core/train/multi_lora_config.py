@@ -6,6 +6,7 @@ user-facing ones; here every training field is required so that no second set of
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -46,8 +47,10 @@ class MultiLoraRunConfig(RunConfigFile):
     """Everything the workers need; paths only, no live objects."""
 
     model_id: str
-    model_path: Path
+    model_path: Path  # an HF checkpoint, or for backend megatron this project's Megatron checkpoint
     family: str
+    backend: Literal["transformers", "megatron"] = "transformers"
+    micro_batch_size: int = Field(1, ge=1)  # megatron: rows per micro-batch of the pipeline schedule
     checkpoint_dir: Path
     mixed_precision: str
     parallel: ParallelConfig

@@ -2,8 +2,10 @@
 
     python bench/bench_multi_lora.py                         # N = 1, 4, 8 tenants, 2x128-token batches each, bf16
     python bench/bench_multi_lora.py --tenants 1,4 --precision no --steps 2
+    python bench/bench_multi_lora.py --backend megatron      # MultiLoraMegatronModel (one process)
 
-Every tenant has its own LoRA adapter (r=8, all-linear) and optimizer on one MultiLoraTransformersModel.
+Every tenant has its own LoRA adapter (r=8, all-linear) and optimizer on one MultiLoraTransformersModel
+(or MultiLoraMegatronModel, where each forward_backward call is one micro-batch of all its rows).
 A round gives every tenant one optimizer step on its own batch: `mixed` trains all N batches in one
 forward/backward (one base-model pass over N x batch rows), `one-after-another` runs N forward/backwards.
 Each measurement runs in its own process (peak memory is that run's own); tokens/s counts every tenant's
@@ -31,19 +33,27 @@ def peak_memory_mb() -> float:
     return peak_rss_mb()
 
 
+def build_model(backend: str, path: str, precision: str, tenants: int, rows_per_call: int):
+    from twinkle_core.models import MultiLoraMegatronModel, MultiLoraTransformersModel
+
+    if backend == "megatron":
+        return MultiLoraMegatronModel(path, mixed_precision=precision, max_loras=tenants, max_r=8,
+                                      micro_batch_size=rows_per_call)
+    return MultiLoraTransformersModel(path, mixed_precision=precision, max_loras=tenants, max_r=8)
+
+
 def measure(model_id: str, precision: str, tenants: int, mode: str, batch_size: int, seq_len: int, steps: int,
-            warmup: int) -> dict:
+            warmup: int, backend: str = "transformers") -> dict:
     import torch
     from peft import LoraConfig
     from transformers import AutoTokenizer
 
     from twinkle_core.hub import resolve_model
-    from twinkle_core.models import MultiLoraTransformersModel
 
     path = str(resolve_model(model_id).path)
     rounds = steps + warmup
     batches = fixed_batches(AutoTokenizer.from_pretrained(path), batch_size, seq_len, rounds * tenants)
-    model = MultiLoraTransformersModel(path, mixed_precision=precision, max_loras=tenants, max_r=8)
+    model = build_model(backend, path, precision, tenants, batch_size * (tenants if mode == "mixed" else 1))
     names = [f"tenant{i}" for i in range(tenants)]
     for name in names:
         model.add_adapter_to_model(name, LoraConfig(**LORA))
@@ -66,6 +76,7 @@ def measure(model_id: str, precision: str, tenants: int, mode: str, batch_size: 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    model.close()
     return {"tenants": tenants, "mode": mode, "tokens_per_s": steps * tenants * batch_size * seq_len / seconds,
             "peak_memory_mb": peak_memory_mb()}
 
@@ -73,6 +84,7 @@ def measure(model_id: str, precision: str, tenants: int, mode: str, batch_size: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-id", default=DEFAULT_MODEL)
+    parser.add_argument("--backend", default="transformers", choices=["transformers", "megatron"])
     parser.add_argument("--precision", default="auto", help="auto (bf16 where native), bf16 or no (fp32)")
     parser.add_argument("--tenants", default="1,4,8", help="comma-separated tenant counts")
     parser.add_argument("--batch-size", type=int, default=2, help="rows per tenant per step")
@@ -84,19 +96,20 @@ def main() -> int:
     if args.one:
         tenants, mode = args.one.split(",")
         print(json.dumps(measure(args.model_id, args.precision, int(tenants), mode, args.batch_size, args.seq_len,
-                                 args.steps, args.warmup)))
+                                 args.steps, args.warmup, args.backend)))
         return 0
     results = {}
     for tenants in map(int, args.tenants.split(",")):
         for mode in ("one-after-another", "mixed"):
-            cmd = [sys.executable, __file__, "--one", f"{tenants},{mode}", "--model-id", args.model_id,
+            cmd = [sys.executable, __file__, "--one", f"{tenants},{mode}", "--model-id", args.model_id, "--backend",
+                   args.backend,
                    "--precision", args.precision, "--batch-size", str(args.batch_size), "--seq-len",
                    str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             results[(tenants, mode)] = json.loads(out.strip().splitlines()[-1])
             print(f"  {tenants} tenants {mode:17s} {results[(tenants, mode)]['tokens_per_s']:8.1f} tokens/s", flush=True)
-    print(f"\n{args.precision}, LoRA r=8 all-linear per tenant, {args.batch_size}x{args.seq_len} tokens per tenant "
-          f"per step, {args.steps} measured rounds")
+    print(f"\n{args.backend}, {args.precision}, LoRA r=8 all-linear per tenant, {args.batch_size}x{args.seq_len} "
+          f"tokens per tenant per step, {args.steps} measured rounds")
     print("| tenants | one after another tok/s | mixed batch tok/s | speed-up | peak memory MB (after / mixed) |")
     print("|---|---|---|---|---|")
     for tenants in map(int, args.tenants.split(",")):

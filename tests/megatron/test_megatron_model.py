@@ -46,11 +46,12 @@ RUNS = {  # name: (model, layout, processes, extra job keys)
 }
 
 
-def run_worker(job: dict, nproc: int, root: Path, name: str) -> dict:
+def run_worker(job: dict, nproc: int, root: Path, name: str, module: str = "megatron_worker") -> dict:
+    """Run the worker `module` on `job` in `nproc` processes; its result.json."""
     path = root / f"{name}.json"
     path.write_text(json.dumps(job))
-    cmd = ([sys.executable, "-m", "megatron_worker", str(path)] if nproc == 1
-           else torchrun_command("megatron_worker", [str(path)], nproc_per_node=nproc))
+    cmd = ([sys.executable, "-m", module, str(path)] if nproc == 1
+           else torchrun_command(module, [str(path)], nproc_per_node=nproc))
     run_streaming(cmd, lambda line: None, timeout_s=300, env={"PYTHONPATH": WORKER_PATH, "OMP_NUM_THREADS": "1"})
     return json.loads((Path(job["out"]) / "result.json").read_text())
 

@@ -7,18 +7,14 @@ optimizer); the multi-tenant runs train both, one batch per tenant ("multi") or 
 """
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from megatron_worker import global_batch
-from test_megatron_model import WORKER_PATH, _hf_loss, assert_close
+from test_megatron_model import _hf_loss, assert_close, run_worker
 from tiny_models import save_tiny_model
-from twinkle_core.launch import run_streaming, torchrun_command
 
 TENANTS = [{"name": "alice", "r": 4, "alpha": 8, "lr": 1e-2, "seed": 1},
            {"name": "bob", "r": 2, "alpha": 4, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"], "lr": 2e-2,
@@ -35,15 +31,6 @@ RUNS = {  # name: (layout, processes, extra job keys)
 }
 
 
-def run_worker(job: dict, nproc: int, root: Path, name: str) -> dict:
-    path = root / f"{name}.json"
-    path.write_text(json.dumps(job))
-    cmd = ([sys.executable, "-m", "multi_lora_megatron_worker", str(path)] if nproc == 1
-           else torchrun_command("multi_lora_megatron_worker", [str(path)], nproc_per_node=nproc))
-    run_streaming(cmd, lambda line: None, timeout_s=300, env={"PYTHONPATH": WORKER_PATH, "OMP_NUM_THREADS": "1"})
-    return json.loads((Path(job["out"]) / "result.json").read_text())
-
-
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("multi_lora_megatron")
@@ -52,7 +39,7 @@ def runs(tmp_path_factory) -> dict:
     for name, (layout, nproc, extra) in RUNS.items():
         job = {"model": str(model), "layout": layout, "steps": 3, "micro_batch_size": 2, "tenants": TENANTS,
                "out": str(root / "out" / name), **extra}
-        results[name] = run_worker(job, nproc, root, name)
+        results[name] = run_worker(job, nproc, root, name, module="multi_lora_megatron_worker")
     return results
 
 

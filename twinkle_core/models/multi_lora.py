@@ -37,9 +37,8 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from twinkle_core.models.checkpoint import ADAPTER_CONFIG, gather_full_state_dict, load_checkpoint, save_checkpoint
 from twinkle_core.models.lora_routing import LoraRouter, RowGroup
 from twinkle_core.models.mixed_batch import TenantLossModule, group_rows, seen_tokens
-from twinkle_core.models.schedulers import build_scheduler
 from twinkle_core.models.stepper import Stepper, optimizer_class
-from twinkle_core.models.tenants import Tenant, TenantSlots, adapter_of
+from twinkle_core.models.tenants import Tenant, TenantSlots, TenantVerbs, adapter_of
 from twinkle_core.models.transformers_model import TransformersModel, _check_accumulation
 from twinkle_core.parallel import DeviceMesh, is_main_process
 from twinkle_core.parallel.process_group import barrier
@@ -61,7 +60,7 @@ def check_multi_lora_layout(mesh: DeviceMesh | None) -> None:
                          "processes over dp_size/fsdp_size.")
 
 
-class MultiLoraTransformersModel(TransformersModel):
+class MultiLoraTransformersModel(TenantVerbs, TransformersModel):
     """A causal LM (any model id) with up to `max_loras` tenant LoRA adapters of rank <= `max_r`."""
 
     def __init__(self, model_id: str, mixed_precision: str = "auto", strategy: str = "accelerate",
@@ -103,9 +102,6 @@ class MultiLoraTransformersModel(TransformersModel):
         self.slots.get(name, "adapter")
         with self.router.route([RowGroup(name)]):
             yield
-
-    def adapter_names(self) -> list[str]:
-        return self.slots.names()
 
     def tenant_parameters(self, name: str) -> list[torch.nn.Parameter]:
         """Tenant `name`'s adapter weights (this rank's shards under FSDP)."""
@@ -161,11 +157,6 @@ class MultiLoraTransformersModel(TransformersModel):
         tenant.stepper = Stepper(self._tenant_parameters(self.model, tenant.name), optimizer,
                                  tenant.gradient_accumulation_steps, scaler, parallel=self.parallel)
 
-    def set_lr_scheduler(self, scheduler_cls: str = "CosineWarmupScheduler", num_warmup_steps: int = 0,
-                         num_training_steps: int = 1, *, adapter_name: str) -> None:
-        stepper = self._stepper(adapter_name, "set_lr_scheduler")
-        stepper.scheduler = build_scheduler(stepper.optimizer, scheduler_cls, num_warmup_steps, num_training_steps)
-
     def forward_backward(self, inputs: list[dict] | dict, *, adapter_name: str | list[str]) -> float | dict[str, float]:
         """Forward and backward one local micro-batch of one tenant (a name) or several (one name per row).
 
@@ -187,14 +178,6 @@ class MultiLoraTransformersModel(TransformersModel):
             stepper.record(part.loss_sum, part.num_tokens, seen_tokens(batch, group), part.aux_loss)
         return self._per_tenant(adapter_name, groups, parts)
 
-    def clip_grad_and_step(self, max_grad_norm: float | None = 1.0, *, adapter_name: str) -> bool:
-        """Step tenant `adapter_name` when its accumulation boundary is reached; return whether it stepped."""
-        stepper = self._stepper(adapter_name, "clip_grad_and_step")
-        if not stepper.is_accumulation_boundary():
-            return False
-        stepper.clip_and_step(max_grad_norm)
-        return True
-
     @torch.no_grad()
     def forward_only(self, inputs: list[dict] | dict, *, adapter_name: str | list[str]) -> float | dict[str, float]:
         """Evaluation forward; accumulates each tenant's held-out loss for calculate_metric(False, ...)."""
@@ -207,14 +190,6 @@ class MultiLoraTransformersModel(TransformersModel):
             tenant.eval_sums[0] += float(part.loss_sum)
             tenant.eval_sums[1] += part.num_tokens
         return self._per_tenant(adapter_name, groups, parts)
-
-    def calculate_metric(self, is_training: bool = True, *, adapter_name: str) -> dict[str, float]:
-        """Tenant `adapter_name`'s last step (training) or held-out loss and perplexity so far (eval)."""
-        tenant = self.slots.get(adapter_name, "calculate_metric")
-        if not is_training:
-            return tenant.eval_metrics(self.parallel.all_reduce_sum)
-        self._stepper(adapter_name, "calculate_metric")
-        return tenant.training_metrics()
 
     @torch.no_grad()
     def generate(self, messages: list[dict], max_new_tokens: int = 48, *, adapter_name: str) -> str:
@@ -254,14 +229,11 @@ class MultiLoraTransformersModel(TransformersModel):
         self._admit(Tenant(adapter_name, config))
 
     # ----- helpers ---------------------------------------------------------------------------------
+    def _sum_over_data_parallel(self, values: list[float]) -> list[float]:
+        return self.parallel.all_reduce_sum(values)
+
     def _loss_module(self) -> torch.nn.Module:
         return self._runner or TenantLossModule(self.model, self.router)
-
-    def _stepper(self, name: str, verb: str) -> Stepper:
-        tenant = self.slots.get(name, verb)
-        if tenant.stepper is None:
-            raise RuntimeError(f"{verb}: call set_optimizer(..., adapter_name={name!r}) first.")
-        return tenant.stepper
 
     def _grouped_batch(self, inputs: list[dict] | dict, adapter_name: str | list[str], verb: str
                        ) -> tuple[dict[str, torch.Tensor], list[RowGroup]]:

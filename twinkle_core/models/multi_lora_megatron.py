@@ -32,13 +32,12 @@ from twinkle_core.megatron.step import run_schedule, split_micro_batches
 from twinkle_core.megatron.tenant_sync import MegatronTenantSync
 from twinkle_core.models.batches import count_input_tokens, to_batch
 from twinkle_core.models.megatron_model import MegatronModel, _barrier, _is_rank0, _megatron_precision
-from twinkle_core.models.schedulers import build_scheduler
 from twinkle_core.models.stepper import Stepper, optimizer_class
-from twinkle_core.models.tenants import Tenant, TenantSlots
+from twinkle_core.models.tenants import Tenant, TenantSlots, TenantVerbs
 from twinkle_core.precision import MixedPrecision
 
 
-class MultiLoraMegatronModel(MegatronModel):
+class MultiLoraMegatronModel(TenantVerbs, MegatronModel):
     """A Megatron-capable model with up to `max_loras` tenant LoRA adapters of rank <= `max_r`."""
 
     def __init__(self, model_id: str, mixed_precision: str = "auto", tp_size: int = 1, pp_size: int = 1,
@@ -84,9 +83,6 @@ class MultiLoraMegatronModel(MegatronModel):
         for chunk in self.chunks:
             remove_megatron_lora(chunk, name)
 
-    def adapter_names(self) -> list[str]:
-        return self.slots.names()
-
     def tenant_parameters(self, name: str) -> list[torch.nn.Parameter]:
         """Tenant `name`'s adapter weights on this rank (its tp shards, its pipeline stage's layers)."""
         self.slots.get(name, "tenant_parameters")
@@ -103,11 +99,6 @@ class MultiLoraMegatronModel(MegatronModel):
         params = self.tenant_parameters(adapter_name)
         optimizer = optimizer_class(optimizer_cls)(params, lr=lr, weight_decay=weight_decay, **kw)
         tenant.stepper = Stepper(params, optimizer, tenant.gradient_accumulation_steps, parallel=self.sync)
-
-    def set_lr_scheduler(self, scheduler_cls: str = "CosineWarmupScheduler", num_warmup_steps: int = 0,
-                         num_training_steps: int = 1, *, adapter_name: str) -> None:
-        stepper = self._stepper(adapter_name, "set_lr_scheduler")
-        stepper.scheduler = build_scheduler(stepper.optimizer, scheduler_cls, num_warmup_steps, num_training_steps)
 
     def forward_backward(self, inputs: list[dict] | dict, *, adapter_name: str | list[str]) -> float | dict[str, float]:
         """Forward and backward this rank's rows of one tenant (a name) or several (one name per row), in
@@ -126,14 +117,6 @@ class MultiLoraMegatronModel(MegatronModel):
             stepper.record(torch.tensor(loss_sum), tokens, seen)
         return self._per_tenant(adapter_name, order, sums)
 
-    def clip_grad_and_step(self, max_grad_norm: float | None = 1.0, *, adapter_name: str) -> bool:
-        """Step tenant `adapter_name` when its accumulation boundary is reached; return whether it stepped."""
-        stepper = self._stepper(adapter_name, "clip_grad_and_step")
-        if not stepper.is_accumulation_boundary():
-            return False
-        stepper.clip_and_step(max_grad_norm)
-        return True
-
     @torch.no_grad()
     def forward_only(self, inputs: list[dict] | dict, *, adapter_name: str | list[str]) -> float | dict[str, float]:
         """Evaluation forward; accumulates each tenant's held-out loss for calculate_metric(False, ...)."""
@@ -147,14 +130,6 @@ class MultiLoraMegatronModel(MegatronModel):
             tenant.eval_sums[0] += loss_sum
             tenant.eval_sums[1] += tokens
         return self._per_tenant(adapter_name, order, sums)
-
-    def calculate_metric(self, is_training: bool = True, *, adapter_name: str) -> dict[str, float]:
-        """Tenant `adapter_name`'s last step (training) or held-out loss and perplexity so far (eval)."""
-        tenant = self.slots.get(adapter_name, "calculate_metric")
-        if not is_training:
-            return tenant.eval_metrics(self.sync.all_reduce_sum)
-        self._stepper(adapter_name, "calculate_metric")
-        return tenant.training_metrics()
 
     # ----- checkpoints -----------------------------------------------------------------------------
     def save(self, name: str, output_dir: str | Path, *, adapter_name: str) -> Path:
@@ -183,11 +158,8 @@ class MultiLoraMegatronModel(MegatronModel):
         self.slots.add(Tenant(adapter_name, config))
 
     # ----- helpers ---------------------------------------------------------------------------------
-    def _stepper(self, name: str, verb: str) -> Stepper:
-        tenant = self.slots.get(name, verb)
-        if tenant.stepper is None:
-            raise RuntimeError(f"{verb}: call set_optimizer(..., adapter_name={name!r}) first.")
-        return tenant.stepper
+    def _sum_over_data_parallel(self, values: list[float]) -> list[float]:
+        return self.sync.all_reduce_sum(values)
 
     def _sorted_batch(self, inputs, adapter_name: str | list[str], verb: str):
         """The device batch with rows in tenant order, each row's tenant, and the call's tenants (in slot order,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from peft import LoraConfig
 
+from twinkle_core.models.schedulers import build_scheduler
 from twinkle_core.models.stepper import Stepper, held_out_metrics
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -100,3 +101,42 @@ class TenantSlots:
 
     def remove(self, name: str) -> Tenant:
         return self.tenants.pop(name)
+
+
+class TenantVerbs:
+    """The tenant-keyed verbs every multi-tenant model shares (it has `slots` and `_sum_over_data_parallel`)."""
+
+    slots: TenantSlots
+
+    def _sum_over_data_parallel(self, values: list[float]) -> list[float]:
+        raise NotImplementedError
+
+    def adapter_names(self) -> list[str]:
+        return self.slots.names()
+
+    def set_lr_scheduler(self, scheduler_cls: str = "CosineWarmupScheduler", num_warmup_steps: int = 0,
+                         num_training_steps: int = 1, *, adapter_name: str) -> None:
+        stepper = self._stepper(adapter_name, "set_lr_scheduler")
+        stepper.scheduler = build_scheduler(stepper.optimizer, scheduler_cls, num_warmup_steps, num_training_steps)
+
+    def clip_grad_and_step(self, max_grad_norm: float | None = 1.0, *, adapter_name: str) -> bool:
+        """Step tenant `adapter_name` when its accumulation boundary is reached; return whether it stepped."""
+        stepper = self._stepper(adapter_name, "clip_grad_and_step")
+        if not stepper.is_accumulation_boundary():
+            return False
+        stepper.clip_and_step(max_grad_norm)
+        return True
+
+    def calculate_metric(self, is_training: bool = True, *, adapter_name: str) -> dict[str, float]:
+        """Tenant `adapter_name`'s last step (training) or held-out loss and perplexity so far (eval)."""
+        tenant = self.slots.get(adapter_name, "calculate_metric")
+        if not is_training:
+            return tenant.eval_metrics(self._sum_over_data_parallel)
+        self._stepper(adapter_name, "calculate_metric")
+        return tenant.training_metrics()
+
+    def _stepper(self, name: str, verb: str) -> Stepper:
+        tenant = self.slots.get(name, verb)
+        if tenant.stepper is None:
+            raise RuntimeError(f"{verb}: call set_optimizer(..., adapter_name={name!r}) first.")
+        return tenant.stepper

@@ -97,7 +97,7 @@ class MultiLoraConfig(BaseModel):
     tp_size: int = Field(1, ge=1, description="Backend megatron: tensor-parallel size (each base weight and adapter split over this many processes).")
     pp_size: int = Field(1, ge=1, description="Backend megatron: pipeline stages (1F1B over the micro-batches).")
     sequence_parallel: bool = Field(False, description="Backend megatron: split activations along the sequence over the tp ranks (needs tp_size > 1).")
-    micro_batch_size: int = Field(1, ge=1, description="Backend megatron: rows per micro-batch of the pipeline schedule (a round's rows on each rank must be a multiple).")
+    micro_batch_size: int = Field(1, ge=1, description="Backend megatron: rows per micro-batch of the schedule (with pp_size > 1 a round's rows on each rank must be a multiple of it).")
     eval_prompts: int = Field(2, ge=0, description="Held-out prompts answered greedily by the base and each tenant's model.")
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per answer.")
     registered_model_prefix: str | None = Field(None, description="Registered models are named <prefix>-<tenant> (default: from the model id).")

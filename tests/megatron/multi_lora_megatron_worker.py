@@ -5,7 +5,7 @@
 
 JOB.json: model (an HF dir), layout (tp/pp/sequence_parallel), steps, micro_batch_size, mixed (one mixed batch
 per step for all tenants, else one forward_backward per tenant), tenants ([{name, r, alpha, targets, lr,
-seed}]), single (train tenants[0] alone on MegatronModel instead), checks (instead of training: isolation
+seed}]), accumulation ({tenant: forward_backward calls per step}), single (train tenants[0] alone on MegatronModel instead), checks (instead of training: isolation
 and mixed-vs-separate gradients), export (save each adapter), out. Tenant i trains on its own fixed batches;
 each data-parallel rank takes its contiguous share of the rows. Rank 0 writes result.json.
 """
@@ -61,7 +61,8 @@ def train_tenants(job: dict) -> dict:
     vocab = model.hf_config.vocab_size
     for tenant in job["tenants"]:
         model.add_adapter_to_model(tenant["name"], lora_config(tenant), seed=tenant["seed"])
-        model.set_optimizer("AdamW", lr=tenant["lr"], adapter_name=tenant["name"])
+        model.set_optimizer("AdamW", lr=tenant["lr"], adapter_name=tenant["name"],
+                            gradient_accumulation_steps=job.get("accumulation", {}).get(tenant["name"], 1))
         model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=job["steps"],
                                adapter_name=tenant["name"])
     if job.get("checks"):
@@ -76,9 +77,16 @@ def train_tenants(job: dict) -> dict:
             rows = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
             names = [t["name"] for t, b in zip(job["tenants"], batches) for _ in range(len(b["input_ids"]))]
             model.forward_backward(inputs=rows, adapter_name=names)
-        else:
+        else:  # a tenant with accumulation N trains its batch in N calls and steps after the last
             for tenant, batch in zip(job["tenants"], batches):
-                model.forward_backward(inputs=batch, adapter_name=tenant["name"])
+                parts = job.get("accumulation", {}).get(tenant["name"], 1)
+                rows = len(batch["input_ids"]) // parts
+                for part in range(parts - 1):
+                    model.forward_backward(inputs={k: v[part * rows:(part + 1) * rows] for k, v in batch.items()},
+                                           adapter_name=tenant["name"])
+                    assert not model.clip_grad_and_step(max_grad_norm=1.0, adapter_name=tenant["name"])
+                model.forward_backward(inputs={k: v[(parts - 1) * rows:] for k, v in batch.items()},
+                                       adapter_name=tenant["name"])
         for tenant in job["tenants"]:
             assert model.clip_grad_and_step(max_grad_norm=1.0, adapter_name=tenant["name"])
             losses[tenant["name"]].append(model.calculate_metric(adapter_name=tenant["name"])["loss"])

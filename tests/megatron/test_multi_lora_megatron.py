@@ -24,6 +24,7 @@ RUNS = {  # name: (layout, processes, extra job keys)
     "single": ({}, 1, {"single": True, "export": True}),
     "multi": ({}, 1, {"export": True}),
     "mixed": ({}, 1, {"mixed": True}),
+    "multi_accum": ({}, 1, {"accumulation": {"bob": 2}}),
     "mixed_tp2": ({"tp": 2}, 2, {"mixed": True, "export": True}),
     "mixed_tp2_sp": ({"tp": 2, "sequence_parallel": True}, 2, {"mixed": True}),
     "mixed_pp2": ({"pp": 2}, 2, {"mixed": True}),
@@ -84,6 +85,12 @@ def test_each_tenant_trains_like_its_adapter_alone_on_megatron_model(runs, name)
 def test_mixed_batches_train_like_one_tenant_after_another(runs):
     for tenant in ("alice", "bob"):
         assert_close(runs["mixed"]["losses"][tenant], runs["multi"]["losses"][tenant], rel=1e-6)
+
+
+def test_a_tenant_accumulating_over_calls_steps_like_one_call_and_alone(runs):
+    # bob trains each batch in 2 calls and steps after the second: the same update as one call
+    assert_close(runs["multi_accum"]["losses"]["bob"], runs["multi"]["losses"]["bob"], rel=1e-6)
+    assert runs["multi_accum"]["losses"]["alice"] == runs["multi"]["losses"]["alice"]
 
 
 @pytest.mark.parametrize("name", ["mixed_tp2", "mixed_tp2_sp", "mixed_pp2", "mixed_dp2"])

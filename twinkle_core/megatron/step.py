@@ -70,15 +70,17 @@ def _megatron_attention_mask(mask: torch.Tensor | None, position_ids: torch.Tens
 
 
 def split_micro_batches(batch: dict, micro_batch_size: int, pad_multiple: int = 1,
-                        row_adapters: list[str] | None = None) -> list[MicroBatch]:
+                        row_adapters: list[str] | None = None, allow_ragged: bool = False) -> list[MicroBatch]:
     """Shift labels over each whole row, pad the length to `pad_multiple` (sequence parallelism), cut rows.
 
-    `row_adapters`: each row's adapter (multi-tenant LoRA); every micro-batch gets the blocks of its rows."""
+    `row_adapters`: each row's adapter (multi-tenant LoRA); every micro-batch gets the blocks of its rows.
+    `allow_ragged`: the last micro-batch may be smaller (one pipeline stage: no fixed message shapes)."""
     tokens, labels = batch["input_ids"], batch["labels"]
     rows = tokens.shape[0]
-    if rows % micro_batch_size:
-        raise ValueError(f"the batch has {rows} rows, not a multiple of micro_batch_size={micro_batch_size}; "
-                         f"give each data-parallel rank a multiple of it.")
+    if rows % micro_batch_size and not allow_ragged:
+        raise ValueError(f"the batch has {rows} rows, not a multiple of micro_batch_size={micro_batch_size}, "
+                         f"which pipeline stages need (their messages have one shape); give each data-parallel "
+                         f"rank a multiple of it, or micro_batch_size=1.")
     shifted = torch.full_like(labels, IGNORE_INDEX)
     shifted[:, :-1] = labels[:, 1:]
     attention = _megatron_attention_mask(batch.get("attention_mask"), batch.get("position_ids"))

@@ -54,12 +54,14 @@ class MegatronModel:
     def __init__(self, model_id: str, mixed_precision: str = "auto", tp_size: int = 1, pp_size: int = 1,
                  ep_size: int = 1, sequence_parallel: bool = False, dp_size: int | None = None,
                  virtual_pipeline_stages: int | None = None, micro_batch_size: int = 1, use_distributed_optimizer: bool | None = None,
-                 max_length: int | None = None, seed: int = 0):
+                 max_length: int | None = None, seed: int = 0, expert_tensor_parallel_size: int | None = None):
         """`dp_size`: None takes what tp × pp leave of the processes (a given one must equal it);
         `virtual_pipeline_stages`: model chunks per pipeline rank (interleaved 1F1B; needs pp_size > 1);
-        `use_distributed_optimizer`: shard optimizer state over data-parallel ranks (None: when dp > 1)."""
+        `use_distributed_optimizer`: shard optimizer state over data-parallel ranks (None: when dp > 1);
+        `expert_tensor_parallel_size`: split each routed expert this many ways, independently of tp_size (None:
+        megatron's default, tp_size; 1 keeps experts whole and replicates them over tp as expert data parallelism)."""
         self.layout = MegatronParallel(tp=tp_size, pp=pp_size, ep=ep_size, sequence_parallel=sequence_parallel,
-                                       vpp=virtual_pipeline_stages)
+                                       vpp=virtual_pipeline_stages, etp=expert_tensor_parallel_size)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.layout.check(world_size)
         if virtual_pipeline_stages and pp_size == 2 and not torch.cuda.is_available():
@@ -314,7 +316,7 @@ class MegatronModel:
     def _micro_batches(self, inputs):
         batch = to_batch(inputs, self.tokenizer, self.device, self.max_length)
         pad = self.layout.tp if self.layout.sequence_parallel else 1
-        return split_micro_batches(batch, self.micro_batch_size, pad_multiple=pad)
+        return split_micro_batches(batch, self.micro_batch_size, pad_multiple=pad, allow_ragged=self.layout.pp == 1)
 
     def _current_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]

@@ -195,7 +195,8 @@ class MultiLoraMegatronModel(TenantVerbs, MegatronModel):
 
     def _split(self, batch: dict, names: list[str]):
         pad = self.layout.tp if self.layout.sequence_parallel else 1
-        return split_micro_batches(batch, self.micro_batch_size, pad_multiple=pad, row_adapters=names)
+        return split_micro_batches(batch, self.micro_batch_size, pad_multiple=pad, row_adapters=names,
+                                   allow_ragged=self.layout.pp == 1)
 
     @staticmethod
     def _per_tenant(adapter_name, order: list[str], sums: list) -> float | dict[str, float]:

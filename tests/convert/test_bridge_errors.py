@@ -83,6 +83,10 @@ def test_unsupported_model_type_and_layouts_are_refused(tiny):
     deepseek = AutoConfig.from_pretrained(tiny["deepseek_r1"])
     with pytest.raises(UnsupportedArchitectureError, match=r"ep=3 does not divide the 4 routed experts"):
         transformer_config_from_hf(deepseek, MegatronParallel(ep=3))
+    with pytest.raises(UnsupportedArchitectureError, match=r"etp=1 splits routed experts and this model has none"):
+        transformer_config_from_hf(llama, MegatronParallel(etp=1))
+    with pytest.raises(UnsupportedArchitectureError, match=r"etp=3 does not divide the experts' ffn size 32"):
+        transformer_config_from_hf(deepseek, MegatronParallel(etp=3))
     deepseek.norm_topk_prob = False
     with pytest.raises(UnsupportedArchitectureError, match=r"norm_topk_prob=False"):
         transformer_config_from_hf(deepseek)

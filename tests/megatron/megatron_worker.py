@@ -3,7 +3,7 @@
     python -m megatron_worker JOB.json                     (one process)
     torchrun --nproc-per-node 2 -m megatron_worker JOB.json
 
-JOB.json: model (an HF dir or a Megatron checkpoint), layout (tp/pp/ep/sequence_parallel), micro_batch_size,
+JOB.json: model (an HF dir or a Megatron checkpoint), layout (tp/pp/ep/etp/sequence_parallel/vpp), micro_batch_size,
 steps, accumulation (forward_backward calls per step), lora (bool), optimizer, resume_from / save_at (a step to save a dist checkpoint at), out (a folder).
 Every step trains the same global batch slice of a fixed seeded corpus; each data-parallel rank takes its
 contiguous share of the rows. Rank 0 writes result.json: per-step losses, grad norms and, when asked, the
@@ -47,7 +47,7 @@ def main(job_path: str) -> None:
     model = MegatronModel(job["model"], mixed_precision=job.get("precision", "no"), tp_size=layout.get("tp", 1),
                           pp_size=layout.get("pp", 1), ep_size=layout.get("ep", 1),
                           sequence_parallel=layout.get("sequence_parallel", False),
-                          virtual_pipeline_stages=layout.get("vpp"),
+                          virtual_pipeline_stages=layout.get("vpp"), expert_tensor_parallel_size=layout.get("etp"),
                           micro_batch_size=job.get("micro_batch_size", 1))
     if job.get("lora"):
         model.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))

@@ -145,12 +145,25 @@ def check_layout(hf_config, layout: MegatronParallel) -> None:
         problems.append(f"ep={layout.ep} needs a mixture-of-experts model and this one has no experts; use ep=1")
     elif experts and experts % layout.ep:
         problems.append(f"ep={layout.ep} does not divide the {experts} routed experts; use an ep that does")
+    problems += _expert_tensor_parallel_problems(hf_config, layout, experts)
     stages = layout.pp * (layout.vpp or 1)
     if hf_config.num_hidden_layers % stages:
         problems.append(f"pp={layout.pp}" + (f" x vpp={layout.vpp}" if layout.vpp else "") + f" does not divide "
                         f"the {hf_config.num_hidden_layers} layers; use stages that do")
     if problems:
         raise UnsupportedArchitectureError(f"{hf_config.model_type}: " + "; ".join(problems) + ".")
+
+
+def _expert_tensor_parallel_problems(hf_config, layout: MegatronParallel, experts: int | None) -> list[str]:
+    if layout.etp is None:
+        return []
+    if not experts:
+        return [f"etp={layout.etp} splits routed experts and this model has none; leave etp empty"]
+    ffn = hf_config.moe_intermediate_size
+    if ffn % layout.etp:  # each etp rank holds whole rows of every expert's gate/up and columns of its down
+        return [f"etp={layout.etp} does not divide the experts' ffn size {ffn} (moe_intermediate_size); use an "
+                f"etp that does (etp=1 keeps every expert whole)"]
+    return []
 
 
 def transformer_config_from_hf(hf_config, layout: MegatronParallel = MegatronParallel(),
@@ -178,7 +191,8 @@ def transformer_config_from_hf(hf_config, layout: MegatronParallel = MegatronPar
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
-        expert_model_parallel_size=layout.ep, sequence_parallel=layout.sequence_parallel,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
+        sequence_parallel=layout.sequence_parallel,
         use_cpu_initialization=True, perform_initialization=init_weights,
         **extra,
     )
@@ -220,7 +234,8 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from twinkle_core.megatron.mla_core_attention import MLACoreAttention
-    from twinkle_core.megatron.sequence_parallel_norm import ReplicatedRMSNorm, use_sequence_parallel_norms
+    from twinkle_core.megatron.mla_tensor_parallel import sum_rotary_key_gradients
+    from twinkle_core.megatron.sequence_parallel_norm import use_sequence_parallel_norms
 
     config = config or transformer_config_from_hf(hf_config, layout, dtype, init_weights)
     rope = _rope_parameters(hf_config)
@@ -228,13 +243,12 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                       vp_stage=vp_stage)
     if layout.sequence_parallel:
+        # MLA's latent norms included: megatron scatters the latents along the sequence before them.
         use_sequence_parallel_norms(spec)
     if config.multi_latent_attention:
         for layer_spec in spec.layer_specs:
             attention = layer_spec.submodules.self_attention.submodules
             attention.core_attention = MLACoreAttention
-            if layout.sequence_parallel:  # the latents are gathered whole on every rank, not split
-                attention.q_layernorm = attention.kv_layernorm = ReplicatedRMSNorm
     model = GPTModel(
         config=config, transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(hf_config.vocab_size, layout.tp),
@@ -249,10 +263,13 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
     if config.multi_latent_attention:
         # qk_layernorm only told the spec to build MLA's latent norms. Left on, megatron's finalize_model_grads
         # sums every `q_layernorm` gradient over tp (right for per-head q norms), but MLA's latent is whole on
-        # every rank, so its gradient would count tp times.
+        # every rank, so its gradient would count tp times (under sequence parallelism the norm's tag sums it).
         config.qk_layernorm = False
+        sum_rotary_key_gradients(model)  # megatron loses part of the shared rotary key's gradient under tp
     if not init_weights:
         _mark_tensor_parallel_weights(model)
+    if layout.expert_tp != layout.tp:
+        _reduce_experts_over_expert_data_parallel(model)
     inv_freq = None if config.multi_latent_attention else _hf_inverse_frequencies(hf_config)
     if inv_freq is not None:
         model.rotary_pos_emb.inv_freq = inv_freq
@@ -273,3 +290,19 @@ def _mark_tensor_parallel_weights(model) -> None:
         weight = getattr(module, "weight", None)
         if dim is not None and isinstance(weight, torch.nn.Parameter):
             set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+
+
+def _reduce_experts_over_expert_data_parallel(model) -> None:
+    """Tag the routed experts' weights as megatron's expert-parallel ones (`allreduce=False`).
+
+    megatron-core 0.16 tags them only when ep > 1. Untagged, its DDP and optimizer reduce their gradients
+    over the dense data-parallel group, which holds the ranks of the experts' own data-parallel group only
+    while etp == tp; with etp != tp (measured, ep=1) they would add up different shards of one expert
+    (tp=1, etp=2) or leave the copies of a whole expert unsynchronised (tp=2, etp=1).
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            for param in module.experts.parameters():
+                param.allreduce = False

@@ -17,18 +17,32 @@ from twinkle_core.parallel.process_group import init_distributed
 
 @dataclass(frozen=True)
 class MegatronParallel:
-    """The megatron layout: tp × pp (× dp, implied) ranks; experts split ep-ways across the dp × tp ranks."""
+    """The megatron layout: tp × pp (× dp, implied) ranks; experts split ep-ways across the dp × tp ranks.
+
+    The routed experts have their own tensor-parallel size, `etp` (None: megatron's default, tp): each
+    expert's linears are split etp-ways, and the etp × ep × pp ranks that hold one copy of all experts are
+    repeated world_size / (etp × ep × pp) times (expert data parallelism).
+    """
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
     sequence_parallel: bool = False  # split the activations outside attention/MLP along the sequence (needs tp)
     vpp: int | None = None  # virtual stages per pipeline rank: interleaved 1F1B over vpp model chunks (needs pp)
+    etp: int | None = None  # expert-tensor-parallel size: routed experts' linears split etp-ways (None: tp)
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size megatron uses."""
+        return self.tp if self.etp is None else self.etp
 
     def check(self, world_size: int) -> None:
         for name, size in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)):
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name}={size!r}: parallel sizes must be integers >= 1.")
+        if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
+            raise ValueError(f"etp={self.etp!r}: the expert-tensor-parallel size is an integer >= 1, or empty for "
+                             f"megatron's default (tp={self.tp}).")
         if self.vpp is not None and (not isinstance(self.vpp, int) or self.vpp < 2 or self.pp == 1):
             raise ValueError(f"vpp={self.vpp!r}: virtual pipeline stages interleave 2 or more model chunks per "
                              "pipeline rank and need pp > 1; use vpp >= 2 with pp_size >= 2, or leave it empty.")
@@ -38,9 +52,11 @@ class MegatronParallel:
         if world_size % (self.tp * self.pp):
             raise ValueError(f"tp={self.tp} x pp={self.pp} does not divide the {world_size} processes; start "
                              f"a multiple of {self.tp * self.pp} processes (torchrun --nproc-per-node).")
-        if (world_size // self.pp) % self.ep:
-            raise ValueError(f"ep={self.ep} does not divide the {world_size // self.pp} ranks of a pipeline "
-                             f"stage; use an ep that divides world_size / pp.")
+        if (world_size // self.pp) % (self.ep * self.expert_tp):
+            etp = f"etp={self.etp}" if self.etp is not None else f"etp={self.expert_tp} (tp's, by default)"
+            raise ValueError(f"ep={self.ep} x {etp} does not divide the {world_size // self.pp} ranks of a "
+                             f"pipeline stage: each copy of the experts spans ep x etp ranks; use ep and etp "
+                             f"whose product divides world_size / pp (etp=1 keeps every expert whole).")
 
 
 def initialize_megatron_parallel(layout: MegatronParallel, seed: int = 0) -> None:
@@ -53,15 +69,17 @@ def initialize_megatron_parallel(layout: MegatronParallel, seed: int = 0) -> Non
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_pipeline_model_parallel_world_size(),
-                   parallel_state.get_expert_model_parallel_world_size())
-        if current == (layout.tp, layout.pp, layout.ep) and \
+                   parallel_state.get_expert_model_parallel_world_size(),
+                   parallel_state.get_expert_tensor_parallel_world_size())
+        if current == (layout.tp, layout.pp, layout.ep, layout.expert_tp) and \
                 parallel_state.get_virtual_pipeline_model_parallel_world_size() == layout.vpp:
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
                                              pipeline_model_parallel_size=layout.pp,
                                              virtual_pipeline_model_parallel_size=layout.vpp,
-                                             expert_model_parallel_size=layout.ep)
+                                             expert_model_parallel_size=layout.ep,
+                                             expert_tensor_parallel_size=layout.expert_tp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

@@ -4,7 +4,9 @@ megatron-core's local spec wraps `torch.nn.RMSNorm` and refuses `sequence_parall
 Transformer-Engine norms are the ones that support it). Under sequence parallelism each tp rank normalises
 its own slice of the sequence, so a norm weight's gradient is a partial sum: megatron all-reduces the
 gradients of parameters tagged `sequence_parallel` over the tp group (`finalize_model_grads`). This norm
-is torch's RMSNorm with that tag, swapped into the spec only when sequence parallelism is on.
+is torch's RMSNorm with that tag, swapped into the spec only when sequence parallelism is on. That covers
+MLA's q/kv latent norms too: megatron gathers the latents whole, then scatters them along the sequence
+before their norms.
 """
 from __future__ import annotations
 
@@ -19,14 +21,6 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
             raise ValueError(f"normalization={config.normalization!r}: the sequence-parallel norm here is RMSNorm.")
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = config.sequence_parallel
-
-
-class ReplicatedRMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm for a norm whose input every tp rank holds whole (MLA's q/kv latents): untagged,
-    so its gradient, already whole on each rank, is not summed again."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_megatron_norm_options):
-        super().__init__(hidden_size, eps=eps)
 
 
 def use_sequence_parallel_norms(spec) -> None:

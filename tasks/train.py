@@ -93,6 +93,20 @@ class _Follower:
                                  description=describe_progress(step, total, self.first_step, now - self.started))
 
 
+def launch_workers(parallel, entry: str, config_path: Path, follow, timeout_s: float | None,
+                   device_limit: str | None) -> None:
+    """torchrun `entry` on the run config, holding nproc_per_node slots of `device_limit` while it runs."""
+    cmd = torchrun_command_for(parallel, entry, [str(config_path)])
+    slots = parallel.nproc_per_node
+    log = get_run_logger()
+    if device_limit:
+        log.info("taking %d slot(s) of the concurrency limit %r (waits while other runs hold them)", slots,
+                 device_limit)
+    with concurrency(device_limit, occupy=slots, strict=False) if device_limit else contextlib.nullcontext():
+        log.info("launching: %s", " ".join(cmd))
+        run_streaming(cmd, follow, timeout_s=timeout_s, env=cpu_threads_env(slots))
+
+
 @task
 def train(run_config: TrainRunConfig | PretrainRunConfig, run_dir: str, timeout_s: float | None = None,
           device_limit: str | None = "gpu", entry: str = "twinkle_core.train") -> CheckpointRef | None:
@@ -103,14 +117,7 @@ def train(run_config: TrainRunConfig | PretrainRunConfig, run_dir: str, timeout_
     """
     config_path = run_config.write(Path(run_dir) / "train_config.json")
     follow = _Follower()
-    cmd = torchrun_command_for(run_config.parallel, entry, [str(config_path)])
-    slots = run_config.parallel.nproc_per_node
-    if device_limit:
-        follow.log.info("taking %d slot(s) of the concurrency limit %r (waits while other runs hold them)",
-                        slots, device_limit)
-    with concurrency(device_limit, occupy=slots, strict=False) if device_limit else contextlib.nullcontext():
-        follow.log.info("launching: %s", " ".join(cmd))
-        run_streaming(cmd, follow, timeout_s=timeout_s, env=cpu_threads_env(slots))
+    launch_workers(run_config.parallel, entry, config_path, follow, timeout_s, device_limit)
     done = follow.events.get("checkpoint")
     if done is None and run_config.parallel.nnodes > 1:
         follow.log.info("training finished; global rank 0 ran on another machine, which saved the checkpoint")

@@ -7,8 +7,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from tasks.refs import CheckpointRef
-from tasks.train import describe_step, step_metrics
-from twinkle_core.launch import cpu_threads_env, run_streaming, torchrun_command_for
+from tasks.train import describe_step, launch_workers, step_metrics
 from twinkle_core.train.multi_lora_config import MultiLoraRunConfig
 from twinkle_core.train.recipe import EVENT_PREFIX
 
@@ -41,14 +40,12 @@ class _TenantFollower:
 
 
 @task
-def train_tenants(run_config: MultiLoraRunConfig, run_dir: str, timeout_s: float | None = None
-                  ) -> tuple[dict[str, CheckpointRef], dict[str, str]]:
+def train_tenants(run_config: MultiLoraRunConfig, run_dir: str, timeout_s: float | None = None,
+                  device_limit: str | None = "gpu") -> tuple[dict[str, CheckpointRef], dict[str, str]]:
     """Write the run config, start `torchrun -m twinkle_core.train.multi_lora`; return checkpoints and failures."""
     config_path = run_config.write(Path(run_dir) / "multi_lora_config.json")
     follow = _TenantFollower()
-    cmd = torchrun_command_for(run_config.parallel, "twinkle_core.train.multi_lora", [str(config_path)])
-    follow.log.info("launching: %s", " ".join(cmd))
-    run_streaming(cmd, follow, timeout_s=timeout_s, env=cpu_threads_env(run_config.parallel.nproc_per_node))
+    launch_workers(run_config.parallel, "twinkle_core.train.multi_lora", config_path, follow, timeout_s, device_limit)
     checkpoints = {
         name: CheckpointRef(path=done["path"], is_adapter=True, final_metrics=step_metrics(follow.steps.get(name, {})),
                             train_seconds=done["train_seconds"], probe_loss=done["probe_loss"])

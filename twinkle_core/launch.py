@@ -18,7 +18,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Sequence
 
-from twinkle_core.parallel.config import ParallelConfig, check_launch
+from twinkle_core.config.fields import check_launch
 
 
 class WorkerError(RuntimeError):
@@ -43,7 +43,7 @@ def torchrun_command(module: str, args: Sequence[str], nproc_per_node: int = 1, 
     return cmd + [f"--max-restarts={max_restarts}", "-m", module, *args]
 
 
-def torchrun_command_for(parallel: ParallelConfig, module: str, args: Sequence[str]) -> list[str]:
+def torchrun_command_for(parallel, module: str, args: Sequence[str]) -> list[str]:
     """The torchrun command that starts this machine's share of a run laid out by `parallel`."""
     return torchrun_command(module, args, parallel.nproc_per_node, parallel.rdzv_endpoint, parallel.nnodes,
                             parallel.node_rank, parallel.rdzv_id, parallel.max_restarts)

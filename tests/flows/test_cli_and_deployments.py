@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from flows.cli import parse_config
-from flows.sft import DEFAULT_MODEL, SFTConfig
+from flows.params import DEFAULT_MODEL
+from flows.sft import SFTConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

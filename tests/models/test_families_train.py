@@ -14,7 +14,7 @@ from twinkle_core.data import get_chat_template
 from twinkle_core.families import get_family
 from twinkle_core.models import TransformersModel
 from twinkle_core.models.batches import to_batch
-from twinkle_core.models.loss import causal_lm_loss_sum
+from twinkle_core.objectives.causal_lm import causal_lm_loss_sum
 
 CASES = [(family, variant) for family, variants in FAMILY_VARIANTS.items() for variant in variants]
 IDS = [f"{family}-{variant}" for family, variant in CASES]

@@ -6,7 +6,7 @@ from peft import LoraConfig
 from tiny_models import SAMPLE_ROWS as ROWS
 from twinkle_core.data import collate, encode_chat
 from twinkle_core.models import TransformersModel
-from twinkle_core.models.loss import causal_lm_loss_sum
+from twinkle_core.objectives.causal_lm import causal_lm_loss_sum
 
 
 def _model(path, lora: bool, precision: str = "no", lr: float = 1e-2, accumulation: int = 1, seed: int = 0):

@@ -19,7 +19,7 @@ from prefect.exceptions import PrefectHTTPStatusError
 from prefect.states import Cancelling, Scheduled
 
 from deployments.presets import FLOWS
-from twinkle_core.train.resume import read_progress
+from twinkle_core.models.training_state import read_progress
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from tiny_models import SAMPLE_ROWS, save_tiny_model
 from twinkle_core.data import tokenize_dataset
 from twinkle_core.launch import _descendants, torchrun_command
 from twinkle_core.train.recipe import EVENT_PREFIX
-from twinkle_core.train.resume import STATE_DIR, read_progress
+from twinkle_core.models.training_state import STATE_DIR, read_progress
 
 TOTAL_STEPS, CHECKPOINT_EVERY, KILL_AT = 40, 3, 5
 

@@ -156,7 +156,7 @@ def test_lora_on_the_expert_weights_is_refused_with_the_alternative(workspace):
 
 def test_router_aux_loss_is_that_of_the_global_batch(workspace):
     """Aux loss on (coefficient 0.001): each rank adds its share of the global micro-batch's aux loss
-    (twinkle_core.models.router_balance). Measured: aux values 1.2e-7 relative, losses 4.2e-8, weights 7.5e-9;
+    (twinkle_core.objectives.router_balance). Measured: aux values 1.2e-7 relative, losses 4.2e-8, weights 7.5e-9;
     a per-rank aux loss was 7e-5 relative off in loss after 4 steps."""
     run, reference = workspace.run("ep_moe_aux"), workspace.run("single_moe_aux")
     assert_same_training(run, reference)

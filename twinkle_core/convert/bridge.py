@@ -69,7 +69,7 @@ def shapes_for(hf_config) -> Shapes:
                   head_dim=head_dim(hf_config), vocab=hf_config.vocab_size)
 
 
-def _find_rule(model, table: MappingTable, name: str) -> tuple[Rule, tuple[str, ...]] | None:
+def find_rule(model, table: MappingTable, name: str) -> tuple[Rule, tuple[str, ...]] | None:
     match = _LAYER_PARAM.match(name)
     if not match:
         rule = table.model_rule(name)
@@ -91,7 +91,7 @@ def mapped_parameters(model, table: MappingTable) -> list[MappedParameter]:
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if ".lora_" in name:  # LoRA adapters (twinkle_core.megatron.lora) are exported as PEFT adapters
             continue
-        found = _find_rule(model, table, name)
+        found = find_rule(model, table, name)
         is_parameter = isinstance(tensor, torch.nn.Parameter)
         if found is None and is_parameter:
             raise CheckpointMismatchError(f"megatron parameter {name!r} has no HF mapping; the table covers "

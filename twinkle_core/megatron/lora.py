@@ -18,7 +18,7 @@ contiguous), and each group is computed with its own adapter's matrices only.
 
 A is initialised as PEFT does (Kaiming-uniform), from a generator seeded by the adapter's seed and the
 layer's global name, on the whole matrix and then sliced, and B is zero: an adapter is the same whatever
-the tp/pp layout. PEFT adapter files are written and read by `lora_peft.py`.
+the tp/pp layout. PEFT adapter files are written and read by `twinkle_core.convert.lora_peft`.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -29,17 +30,18 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
 from twinkle_core.convert import export_hf_weights, load_hf_weights, megatron_family
+from twinkle_core.convert.lora_peft import export_peft_adapter
 from twinkle_core.convert.megatron_checkpoint import (HF_DIR, copy_hf_side_files, is_megatron_checkpoint,
                                                       load_megatron_checkpoint, read_checkpoint_info,
                                                       sharded_state_dict)
 from twinkle_core.hub import resolve_model
 from twinkle_core.megatron import MegatronParallel, build_gpt_chunks, initialize_megatron_parallel
 from twinkle_core.megatron.lora import add_megatron_lora, merge_lora
-from twinkle_core.megatron.lora_peft import export_peft_adapter
 from twinkle_core.megatron.step import run_schedule, split_micro_batches
 from twinkle_core.models.batches import to_batch
 from twinkle_core.models.schedulers import lr_factor
 from twinkle_core.models.stepper import held_out_metrics
+from twinkle_core.models.training_state import PROGRESS_FILE, STATE_DIR, check_resume_settings
 from twinkle_core.parallel.process_group import close_distributed
 from twinkle_core.precision import MixedPrecision, resolve_precision
 
@@ -63,7 +65,7 @@ class MegatronModel:
         self.layout = MegatronParallel(tp=tp_size, pp=pp_size, ep=ep_size, sequence_parallel=sequence_parallel,
                                        vpp=virtual_pipeline_stages, etp=expert_tensor_parallel_size)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.layout.check(world_size)
+        self.layout.check(world_size)  # a library user's guard; flows check before launch (train.checks)
         if virtual_pipeline_stages and pp_size == 2 and not torch.cuda.is_available():
             # measured: with 2 stages both ring neighbours are the same rank, and gloo then pairs the
             # interleaved schedule's activation and gradient messages wrongly (pp=4 matches one process)
@@ -80,7 +82,9 @@ class MegatronModel:
         self.hf_dir = path / HF_DIR if is_megatron_checkpoint(path) else path
         self.family = read_checkpoint_info(path)["family"] if is_megatron_checkpoint(path) else megatron_family(path)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
-        _check_moe_sequence_parallel(self.hf_config, self.layout)
+        problems = moe_sequence_parallel_problems(self.hf_config, self.layout)
+        if problems:
+            raise ValueError(problems[0])
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
         self.micro_batch_size = _positive("micro_batch_size", micro_batch_size)
         self.max_length = max_length
@@ -297,6 +301,35 @@ class MegatronModel:
             self.step = int(state.get("step", 0))
             self._apply_lr()
 
+    def save_training_state(self, checkpoint_dir: str | Path, progress: dict) -> None:
+        """`checkpoint_dir/training_state`: a dist checkpoint of model, optimizer and step, plus `progress`;
+        it replaces the previous state only once complete."""
+        checkpoint_dir = Path(checkpoint_dir)
+        partial = checkpoint_dir / f"{STATE_DIR}.partial"
+        self.save(partial.name, checkpoint_dir)
+        if _is_rank0():
+            (partial / PROGRESS_FILE).write_text(json.dumps({**progress, "step": self.step}))
+            target, old = checkpoint_dir / STATE_DIR, checkpoint_dir / f"{STATE_DIR}.old"
+            if target.exists():
+                target.rename(old)
+            partial.rename(target)
+            shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+
+    def load_training_state(self, checkpoint_dir: str | Path, settings: dict) -> dict | None:
+        """Restore the state `save_training_state` wrote with these settings; its progress (None: none)."""
+        progress_file = Path(checkpoint_dir) / STATE_DIR / PROGRESS_FILE
+        if not progress_file.is_file():
+            return None
+        progress = json.loads(progress_file.read_text())
+        check_resume_settings(progress, settings, progress_file.parent)
+        self.load(STATE_DIR, checkpoint_dir)
+        return progress
+
+    def export(self, name: str, output_dir: str | Path) -> Path:
+        """`output_dir/name` as the Transformers backend writes it: a PEFT adapter or a full HF directory."""
+        return self.save_hf(Path(output_dir) / name)
+
     def save_hf(self, output_dir: str | Path, merge_adapter: bool = False) -> Path:
         """Export through the bridge: HF safetensors + config + tokenizer, or with LoRA a PEFT adapter."""
         output_dir = Path(output_dir)
@@ -351,16 +384,17 @@ def _megatron_precision(mode: str):
     return resolve_precision(mode, device)
 
 
-def _check_moe_sequence_parallel(hf_config, layout: MegatronParallel) -> None:
+def moe_sequence_parallel_problems(hf_config, layout: MegatronParallel) -> list[str]:
     """megatron's MoE layer refuses to train at tp > 1 without sequence parallelism: say so before building."""
     from twinkle_core.megatron.model_builder import architecture_for
 
     has_expert_layers = architecture_for(hf_config).moe and getattr(hf_config, "n_routed_experts", 0) and \
         getattr(hf_config, "first_k_dense_replace", 0) < hf_config.num_hidden_layers
     if layout.tp > 1 and not layout.sequence_parallel and has_expert_layers:
-        raise ValueError(f"{hf_config.model_type} is a mixture-of-experts model: megatron trains it at tp_size="
-                         f"{layout.tp} only with sequence_parallel=True; set it, or use tp_size=1 (experts can "
-                         "still be split with ep_size / expert_tensor_parallel_size).")
+        return [f"tp_size={layout.tp}: {hf_config.model_type} is a mixture-of-experts model, which megatron trains "
+                f"at tp_size={layout.tp} only with sequence_parallel=True; set it, or use tp_size=1 (experts can "
+                "still be split with ep_size / expert_tensor_parallel_size)."]
+    return []
 
 
 def _to_compute_dtype(model, dtype: torch.dtype) -> None:

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from twinkle_core.models.batches import count_input_tokens
 from twinkle_core.models.lora_routing import LoraRouter, RowGroup
-from twinkle_core.models.loss import IGNORE_INDEX, LossModule, LossParts, causal_lm_loss_sum, trained_logits
+from twinkle_core.models.loss import LossModule
+from twinkle_core.objectives.causal_lm import IGNORE_INDEX, LossParts, causal_lm_loss_sum, trained_logits
 
 
 def group_rows(batch: dict[str, torch.Tensor], row_adapters: list[str], order: list[str]

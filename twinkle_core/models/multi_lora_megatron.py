@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from twinkle_core.convert.lora_peft import export_peft_adapter, load_peft_adapter, read_peft_config
 from twinkle_core.megatron.lora import (LoraRowRouter, add_megatron_lora, adapter_parameters, check_lora_config,
                                         remove_megatron_lora)
-from twinkle_core.megatron.lora_peft import export_peft_adapter, load_peft_adapter, read_peft_config
 from twinkle_core.megatron.step import run_schedule, split_micro_batches
 from twinkle_core.megatron.tenant_sync import MegatronTenantSync
 from twinkle_core.models.batches import count_input_tokens, to_batch

@@ -33,9 +33,12 @@ from twinkle_core.families import family_for_model_dir, get_family
 from twinkle_core.hub import resolve_model
 from twinkle_core.models.batches import count_input_tokens, to_batch
 from twinkle_core.models.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
-from twinkle_core.models.loss import LossModule, resolve_router_aux_loss_coef
+from twinkle_core.models.loss import LossModule
 from twinkle_core.models.schedulers import build_scheduler
 from twinkle_core.models.stepper import Stepper, held_out_metrics, optimizer_class
+from twinkle_core.models.training_state import load_training_state, save_training_state
+from twinkle_core.objectives import get_objective
+from twinkle_core.objectives.causal_lm import resolve_router_aux_loss_coef
 from twinkle_core.parallel import DeviceMesh, build_strategy, close_distributed, is_main_process, parse_strategy
 from twinkle_core.parallel.mesh import validate_mesh_sizes
 from twinkle_core.parallel.process_group import barrier
@@ -80,10 +83,13 @@ class TransformersModel:
         max_length: int | None = None,
         router_aux_loss_coef: float | None = None,
         family: str | None = None,
+        objective: str = "causal_lm",
         **from_pretrained_kwargs: Any,
     ):
-        """`router_aux_loss_coef`: weight of the MoE router load-balancing loss (None: the config's, 0: off)."""
+        """`router_aux_loss_coef`: weight of the MoE router load-balancing loss (None: the config's, 0: off);
+        `objective`: the loss forward_backward computes (a registered twinkle_core.objectives name)."""
         strategy = parse_strategy(strategy)
+        self.objective = get_objective(objective)
         self.mesh = _resolve_mesh(device_mesh)  # joins the process group first: it picks this rank's GPU
         self.device = _default_device()
         self.precision = resolve_precision(mixed_precision, self.device.type)
@@ -265,9 +271,23 @@ class TransformersModel:
             self.adapter_name = adapter
             self._apply_storage_dtypes()
 
+    def export(self, name: str, output_dir: str | Path) -> Path:
+        """The trained result for evaluation and the registry: what `save` writes."""
+        return self.save(name, output_dir)
+
+    def save_training_state(self, checkpoint_dir: str | Path, progress: dict) -> None:
+        save_training_state(self, checkpoint_dir, progress)
+
+    def load_training_state(self, checkpoint_dir: str | Path, settings: dict) -> dict | None:
+        return load_training_state(self, checkpoint_dir, settings)
+
+    @property
+    def hf_dir(self) -> Path:
+        return Path(self.path)
+
     def training_parts(self) -> tuple[torch.nn.Module, Stepper]:
         """The module the optimizer trains and its stepper: what a resumable training state saves
-        (twinkle_core.train.resume)."""
+        (twinkle_core.models.training_state)."""
         return self._loss_module(), self._require_optimizer("training_parts")
 
     def close(self) -> None:
@@ -279,7 +299,7 @@ class TransformersModel:
         """The loss as one module call: wrapped by the strategy once set_optimizer ran in several processes."""
         # every rank whose tokens count (dp × fsdp × sp) shares the router statistics of the global batch
         group = self.parallel.group if self.parallel.grad_average_size > 1 else None
-        return self._runner or LossModule(self.model, group)
+        return self._runner or LossModule(self.model, group, self.objective)
 
     def _check_not_wrapped(self, verb: str) -> None:
         if self.parallel.is_distributed and self._runner is not None:

@@ -58,15 +58,21 @@ def _product_problem(sizes: dict[str, int], world_size: int) -> str | None:
             f"{hint}.")
 
 
-def _model_problems(sizes: dict[str, int], model_config: Any) -> list[str]:
+def tp_heads_problems(tp_size: int, model_config: Any) -> list[str]:
+    """Tensor parallelism splits the attention heads and the kv heads: tp_size must divide both."""
     config = _text_config(model_config)
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    problems = []
-    if heads and sizes["tp_size"] > 1 and (heads % sizes["tp_size"] or kv_heads % sizes["tp_size"]):
-        ok = _divisors(math.gcd(heads, kv_heads))
-        problems.append(f"tp_size={sizes['tp_size']} must divide num_attention_heads={heads} and "
-                        f"num_key_value_heads={kv_heads}; tp_size can be one of {ok}.")
+    if heads and tp_size > 1 and (heads % tp_size or kv_heads % tp_size):
+        return [f"tp_size={tp_size} must divide num_attention_heads={heads} and num_key_value_heads={kv_heads}; "
+                f"tp_size can be one of {_divisors(math.gcd(heads, kv_heads))}."]
+    return []
+
+
+def _model_problems(sizes: dict[str, int], model_config: Any) -> list[str]:
+    config = _text_config(model_config)
+    heads = getattr(config, "num_attention_heads", None)
+    problems = tp_heads_problems(sizes["tp_size"], config)
     if heads and sizes["sp_size"] > 1 and heads % sizes["sp_size"]:
         problems.append(f"sp_size={sizes['sp_size']} must divide num_attention_heads={heads} (each rank attends "
                         f"with a share of the heads); sp_size can be one of {_divisors(heads)}.")

@@ -1,7 +1,7 @@
 """The resolved configuration of one training run: written to a file, read by every worker.
 
-Field names match the flows' parameter models, whose defaults and help texts are the user-facing ones;
-here every training field is required so that no second set of defaults exists.
+Composed of the same field groups as the flows' parameter models (twinkle_core.config.fields), so a field
+has one type, one bound and one help text wherever it appears; the flow always writes every value.
 """
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from twinkle_core.config.fields import (AdapterFields, BackendName, CheckpointEvery, LoopFields,
+                                        MixedPrecisionMode, ModelId, OptimizerFields, RouterAuxLossCoef)
 from twinkle_core.parallel import ParallelConfig
 
 
@@ -24,43 +26,21 @@ class RunConfigFile(BaseModel):
         return cls.model_validate_json(Path(path).read_text())
 
 
-class TrainRunConfig(RunConfigFile):
+class TrainRunConfig(RunConfigFile, AdapterFields, OptimizerFields, LoopFields):
     """Everything a worker needs; paths only, no live objects."""
 
-    model_id: str
-    backend: str = "transformers"  # or "megatron" (model_path is then a Megatron checkpoint or an HF dir)
+    model_id: ModelId
+    backend: BackendName = "transformers"  # megatron: model_path is a Megatron checkpoint or an HF dir
+    objective: str = "causal_lm"  # a registered training objective (twinkle_core.objectives)
     model_path: Path
     family: str
     train_data: Path
     checkpoint_dir: Path
     adapter_name: str = "default"
-    mixed_precision: str
+    mixed_precision: MixedPrecisionMode
     parallel: ParallelConfig
-    use_lora: bool
-    lora_r: int = Field(ge=1)
-    lora_alpha: int = Field(ge=1)
-    lora_dropout: float = Field(ge=0.0, lt=1.0)
-    lora_target_modules: list[str] | str
-    optimizer: str
-    lr: float = Field(gt=0)
-    weight_decay: float = Field(ge=0)
-    scheduler: str
-    warmup_ratio: float = Field(ge=0, lt=1)
-    max_grad_norm: float = Field(gt=0)
-    epochs: float = Field(gt=0)
-    max_steps: int | None = Field(ge=1)
-    batch_size: int = Field(ge=1)
-    gradient_accumulation_steps: int = Field(ge=1)
-    seed: int
-    router_aux_loss_coef: float | None = Field(ge=0)
+    router_aux_loss_coef: RouterAuxLossCoef = None
     log_every: int = Field(1, ge=1)
-    checkpoint_every: int | None = Field(None, ge=1)  # steps between resumable training states (None: never)
+    checkpoint_every: CheckpointEvery = None
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
-
-    def lora_config(self):
-        """The PEFT LoraConfig these settings describe."""
-        from peft import LoraConfig
-
-        return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
-                          target_modules=self.lora_target_modules, task_type="CAUSAL_LM")

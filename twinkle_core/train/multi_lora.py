@@ -24,8 +24,8 @@ import torch
 
 from twinkle_core.data import collate, load_tokenized
 from twinkle_core.entry import worker_config_path
-from twinkle_core.models import MultiLoraMegatronModel, MultiLoraTransformersModel
-from twinkle_core.parallel import is_main_process, local_micro_batches, worker_mesh, world_size_from_env
+from twinkle_core.models.backends import get_backend
+from twinkle_core.parallel import is_main_process, local_micro_batches, world_size_from_env
 from twinkle_core.tracking import MetricsLogger
 from twinkle_core.train.multi_lora_config import MultiLoraRunConfig, TenantRunConfig
 from twinkle_core.train.recipe import emit, run_recipe
@@ -53,7 +53,7 @@ class MultiLoraRecipe:
 
     def setup(self) -> None:
         cfg = self.config
-        self.model = self._build_model()
+        self.model = get_backend(cfg.backend).build_multi_tenant(cfg)
         self.pad_id = self.model.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.model.tokenizer.eos_token_id
@@ -74,20 +74,6 @@ class MultiLoraRecipe:
             run.batches = self._batches(run)
             emit("tenant_setup", tenant=tenant.name, examples=len(run.examples), total_steps=run.total_steps,
                  trainable_params=sum(p.numel() for p in self.model.tenant_parameters(tenant.name)))
-
-    def _build_model(self):
-        cfg, parallel = self.config, self.config.parallel
-        if cfg.backend == "megatron":  # tp × pp over the processes, data parallel over what they leave
-            return MultiLoraMegatronModel(
-                str(cfg.model_path), mixed_precision=cfg.mixed_precision, tp_size=parallel.tp_size,
-                pp_size=parallel.pp_size, ep_size=parallel.ep_size, sequence_parallel=parallel.sequence_parallel,
-                micro_batch_size=cfg.micro_batch_size, max_loras=cfg.max_loras, max_r=cfg.max_r)
-        return MultiLoraTransformersModel(
-            str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=parallel.strategy.value,
-            device_mesh=worker_mesh(parallel), family=cfg.family, max_loras=cfg.max_loras, max_r=cfg.max_r,
-            # mixed batches train tenants together: the MoE router loss (a statistic over all rows) stays off
-            router_aux_loss_coef=0.0 if cfg.mixed_batches else None,
-        )
 
     def _add_tenant(self, tenant: TenantRunConfig) -> None:
         examples = load_tokenized(tenant.train_data)

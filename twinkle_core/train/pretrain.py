@@ -20,6 +20,8 @@ import torch
 from pydantic import Field
 
 from twinkle_core.data.pretrain import PackedSplit
+from twinkle_core.config.fields import (CheckpointEvery, DocumentMasks, EvalBatches, GlobalBatchSize, MicroBatchSize,
+                                        MixedPrecisionMode, ModelId, OptimizerFields, VirtualPipelineStages)
 from twinkle_core.entry import worker_config_path
 from twinkle_core.parallel import ParallelConfig, is_main_process, world_size_from_env
 from twinkle_core.perf import StepPerf
@@ -30,32 +32,24 @@ from twinkle_core.train.recipe import emit
 LATEST = "latest"  # the file in checkpoint_dir naming the last complete training checkpoint
 
 
-class PretrainRunConfig(RunConfigFile):
-    """Everything a pre-training worker needs (defaults and help texts live in flows.pretrain)."""
+class PretrainRunConfig(RunConfigFile, OptimizerFields):
+    """Everything a pre-training worker needs (the fields are twinkle_core.config's; flows.pretrain sets them)."""
 
-    model_id: str
+    model_id: ModelId
     model_path: Path  # an HF directory or a Megatron checkpoint of this project
     family: str
     data_dir: Path  # a packed corpus (pack_text_corpus)
     checkpoint_dir: Path
-    mixed_precision: str
+    mixed_precision: MixedPrecisionMode
     parallel: ParallelConfig
-    sequence_parallel: bool
-    virtual_pipeline_stages: int | None
-    micro_batch_size: int = Field(ge=1)
-    global_batch_size: int = Field(ge=1)
-    max_steps: int = Field(ge=1)
-    document_masks: bool
-    optimizer: str
-    lr: float = Field(gt=0)
-    weight_decay: float = Field(ge=0)
-    scheduler: str
-    warmup_ratio: float = Field(ge=0, lt=1)
-    max_grad_norm: float = Field(gt=0)
-    seed: int
-    eval_batches: int = Field(ge=1)
+    virtual_pipeline_stages: VirtualPipelineStages
+    micro_batch_size: MicroBatchSize
+    global_batch_size: GlobalBatchSize
+    max_steps: int = Field(ge=1)  # resolved by the flow
+    document_masks: DocumentMasks
+    eval_batches: EvalBatches
     log_every: int = Field(1, ge=1)
-    checkpoint_every: int | None = Field(None, ge=1)
+    checkpoint_every: CheckpointEvery = None
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
     use_lora: bool = False  # the train task's CheckpointRef: pre-training trains every weight
@@ -76,7 +70,7 @@ class PretrainRecipe:
         self.validation = PackedSplit.open(cfg.data_dir, "validation")
         self.model = MegatronModel(str(cfg.model_path), mixed_precision=cfg.mixed_precision,
                                    tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size,
-                                   ep_size=cfg.parallel.ep_size, sequence_parallel=cfg.sequence_parallel,
+                                   ep_size=cfg.parallel.ep_size, sequence_parallel=cfg.parallel.sequence_parallel,
                                    virtual_pipeline_stages=cfg.virtual_pipeline_stages,
                                    micro_batch_size=cfg.micro_batch_size, seed=cfg.seed)
         dp = self.model.data_parallel_size

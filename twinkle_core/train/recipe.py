@@ -9,7 +9,9 @@ Several processes: the mesh comes from `parallel` (twinkle_core.parallel). Every
 seeded order and cuts the same global micro-batches of `batch_size` rows; each data-parallel rank trains
 on its share (`local_rows`), so the steps, losses and weights are those of one process.
 
-Resume: every `checkpoint_every` steps a resumable training state is saved (twinkle_core.train.resume);
+Any backend (twinkle_core.models.backends): the recipe only calls the verbs of TrainableModel.
+
+Resume: every `checkpoint_every` steps the model saves a resumable training state (`save_training_state`);
 a run started again on the same `checkpoint_dir` continues from it, skipping the micro-batches of the
 seeded order it already trained on.
 """
@@ -27,12 +29,11 @@ from transformers import AutoConfig
 
 from twinkle_core.data import collate, load_tokenized
 from twinkle_core.entry import worker_config_path
-from twinkle_core.models import TransformersModel
-from twinkle_core.parallel import is_main_process, local_micro_batches, worker_mesh, world_size_from_env
+from twinkle_core.models.backends import get_backend
+from twinkle_core.parallel import is_main_process, local_micro_batches, world_size_from_env
 from twinkle_core.perf import StepPerf
 from twinkle_core.tracking import MetricsLogger
 from twinkle_core.train.config import TrainRunConfig
-from twinkle_core.train.resume import load_training_state, save_training_state
 
 logger = logging.getLogger(__name__)
 EVENT_PREFIX = "TWINKLE_EVENT "
@@ -56,7 +57,7 @@ class SFTRecipe:
         self.examples = load_tokenized(cfg.train_data)
         if not self.examples:
             raise ValueError(f"train_data {cfg.train_data} holds no examples.")
-        self.model = self._build_model()
+        self.model = get_backend(cfg.backend).build(cfg)
         self.mask_dtype = self.model.precision.compute_dtype  # packed 4-D masks must match sdpa's dtype
         self.pad_id = self.model.tokenizer.pad_token_id
         if self.pad_id is None:
@@ -73,26 +74,15 @@ class SFTRecipe:
         emit("setup", examples=len(self.examples), total_steps=self.total_steps, trainable_params=trainable)
         # Read from disk: a DDP/FSDP wrapper hides the model's config.
         seq_len = round(sum(len(row["input_ids"]) for row in self.examples) / len(self.examples))
-        self.perf = StepPerf(AutoConfig.from_pretrained(self._hf_dir()), seq_len, self.model.device,
+        self.perf = StepPerf(AutoConfig.from_pretrained(self.model.hf_dir), seq_len, self.model.device,
                              world_size_from_env(), self.model.precision.compute_dtype,
                              lora_params=trainable if cfg.use_lora else None,
                              data_parallel_size=self.model.data_parallel_size)
         emit("perf", **self.perf.describe())
         self.start_step = self._resume()  # last: it restores the RNG state that training continues with
 
-    def _build_model(self):
-        cfg = self.config
-        return TransformersModel(
-            str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=cfg.parallel.strategy.value,
-            device_mesh=worker_mesh(cfg.parallel), router_aux_loss_coef=cfg.router_aux_loss_coef, family=cfg.family,
-        )
-
-    def _hf_dir(self) -> Path:
-        """The HF directory whose config describes the model (for the FLOP count)."""
-        return self.config.model_path
-
     def _save_training_state(self) -> None:
-        save_training_state(self.model, self.config.checkpoint_dir, {"settings": self._resume_settings()})
+        self.model.save_training_state(self.config.checkpoint_dir, {"settings": self._resume_settings()})
 
     def _resume_settings(self) -> dict:
         """What must be the same for a saved training state to be resumed (same data order and schedule)."""
@@ -104,7 +94,7 @@ class SFTRecipe:
 
     def _resume(self) -> int:
         """The step to start from: that of the last saved training state in checkpoint_dir, else 0."""
-        progress = load_training_state(self.model, self.config.checkpoint_dir, self._resume_settings())
+        progress = self.model.load_training_state(self.config.checkpoint_dir, self._resume_settings())
         if progress is None:
             return 0
         emit("resume", step=progress["step"], total=self.total_steps)
@@ -151,7 +141,7 @@ class SFTRecipe:
         # The probe loss lets anyone check that the saved checkpoint reloads to exactly these weights.
         probe_loss = self.model.forward_only(self.probe_batch())
         self.model.calculate_metric(is_training=False)  # reset the eval accumulator
-        path = self.model.save(self.config.adapter_name if self.config.use_lora else "model", self.config.checkpoint_dir)
+        path = self.model.export(self.config.adapter_name if self.config.use_lora else "model", self.config.checkpoint_dir)
         emit("checkpoint", path=str(path), train_seconds=round(self.train_seconds, 2), probe_loss=probe_loss)
         return path
 
@@ -173,9 +163,4 @@ def run_recipe(recipe) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     path = worker_config_path(argv, "python -m twinkle_core.train RUN_CONFIG.json")
-    config = TrainRunConfig.read(path)
-    if config.backend == "megatron":
-        from twinkle_core.train.megatron_sft import MegatronSFTRecipe
-
-        return run_recipe(MegatronSFTRecipe(config))
-    return run_recipe(SFTRecipe(config))
+    return run_recipe(SFTRecipe(TrainRunConfig.read(path)))

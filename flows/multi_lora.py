@@ -80,12 +80,13 @@ class MultiLoraConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFi
         names = [t.name for t in self.tenants]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         largest = max(t.lora_r for t in self.tenants)
-        return [f"{name}={value!r}: {why}" for name, value, bad, why in (
-            ("tenants", duplicates, duplicates, "these names appear more than once; give every tenant its own name"),
-            ("max_loras", self.max_loras, self.max_loras is not None and self.max_loras < len(self.tenants),
-             f"fewer than the {len(self.tenants)} tenants; set max_loras >= {len(self.tenants)} or leave it empty"),
-            ("max_r", self.max_r, self.max_r is not None and self.max_r < largest,
-             f"below tenant rank lora_r={largest}; set max_r >= {largest} or leave it empty"),
+        return [problem for bad, problem in (
+            (duplicates, f"tenants: names {duplicates} appear more than once; give every tenant its own name"),
+            (self.max_loras is not None and self.max_loras < len(self.tenants),
+             f"max_loras={self.max_loras} is fewer than the {len(self.tenants)} tenants; set max_loras >= "
+             f"{len(self.tenants)} or leave it empty"),
+            (self.max_r is not None and self.max_r < largest,
+             f"max_r={self.max_r} is below tenant rank lora_r={largest}; set max_r >= {largest} or leave it empty"),
         ) if bad]
 
     def model_name(self, tenant: str) -> str:

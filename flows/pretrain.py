@@ -69,12 +69,11 @@ class PretrainConfig(RunFields, ModelParallelFields, MachinesFields, ProcessFiel
     def problems(self, model_config) -> list[str]:
         dp, rows = self.data_parallel_size(), self.micro_batch_size
         fits = dp * rows * max(1, self.global_batch_size // (dp * rows))
-        return [f"{name}={value!r}: {why}" for name, value, bad, why in (
-            ("max_steps", self.max_steps, self.max_steps is None, "pre-training runs a given number of steps; "
-                                                                   "set max_steps"),
-            ("global_batch_size", self.global_batch_size, self.global_batch_size % (dp * rows),
-             f"must be a multiple of data-parallel size {dp} x micro_batch_size={rows}; e.g. "
-             f"global_batch_size={fits}"),
+        return [problem for bad, problem in (
+            (self.max_steps is None, "max_steps=None: pre-training runs a given number of steps; set max_steps"),
+            (self.global_batch_size % (dp * rows),
+             f"global_batch_size={self.global_batch_size} must be a multiple of data-parallel size {dp} x "
+             f"micro_batch_size={rows}; e.g. global_batch_size={fits}"),
         ) if bad]
 
     def data_parallel_size(self) -> int:

@@ -30,7 +30,7 @@ PrecisionName = Literal["auto", "bf16", "fp16", "fp8", "no"]
 SchedulerName = Literal["CosineWarmupScheduler", "LinearWarmupScheduler", "ConstantWarmupScheduler"]
 
 # ----- what to train on ------------------------------------------------------------------------------------
-ModelId = Annotated[str, Field(description="Model: ms://org/name[@rev], hf://org/name[@rev], pkg://package/path, or a local path (GGUF files are converted once).")]
+ModelId = Annotated[str, Field(description="Model: ms://org/name[@rev], hf://org/name[@rev], pkg://package/path, or a local path (GGUF files are converted once; a Megatron checkpoint folder of this project where the flow reads one).")]
 DatasetId = Annotated[str, Field(description="Training data: ms://org/name[@rev][:split], hf://…, pkg://… or a local .jsonl/.json/.parquet.")]
 EvalDatasetId = Annotated[str, Field(description="Held-out data of the same kind: its loss and the before/after answers.")]
 BackendName = Annotated[Backend, Field(description="Training backend: transformers (Transformers + Accelerate/FSDP, DDP, TP, SP, EP), or megatron (megatron-core: tp_size × pp_size, ep_size, data parallel over the rest; Megatron-capable families only).")]
@@ -105,7 +105,7 @@ MaxNewTokens = Annotated[int, Field(ge=1, description="Tokens generated per answ
 RegisteredModelName = Annotated[str | None, Field(description="MLflow registered model name (default: from the model id).")]
 ExperimentName = Annotated[str, Field(description="MLflow experiment.")]
 OutputDir = Annotated[str, Field(description="Where run folders (configs, checkpoints, eval) are written.")]
-TimeoutMinutes = Annotated[float, Field(gt=0, description="Kill the training workers after this long.")]
+TimeoutMinutes = Annotated[float, Field(gt=0, description="Kill the worker processes (training, conversion) after this long.")]
 DeviceLimit = Annotated[str | None, Field(description="Prefect global concurrency limit that training takes nproc_per_node slots of; runs queue while it is full (no such limit on the server: no waiting; empty: never wait).")]
 
 

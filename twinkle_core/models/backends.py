@@ -126,7 +126,7 @@ def _build_megatron_tenants(cfg):
 
 
 def _megatron_options(config, model_config) -> list[str]:
-    return _bad(config, [
+    return ["backend='megatron': " + problem for problem in _bad(config, [
         ("mixed_precision", config.mixed_precision == "fp8", "fp8 on megatron needs Transformer Engine's layer "
                                                              "spec; use bf16 (recommended) or no"),
         ("mixed_precision", config.kind == "multi_lora" and config.mixed_precision == "fp16",
@@ -138,7 +138,7 @@ def _megatron_options(config, model_config) -> list[str]:
         ("dp_size", _field(config, "dp_size", 1) > 1, "megatron's data parallelism is what tp_size x pp_size "
                                                       "leave; use 1"),
         ("fsdp_size", _field(config, "fsdp_size") not in (None, 1), "FSDP belongs to the Transformers backend"),
-    ])
+    ])]
 
 
 def _megatron_layout(config, model_config) -> list[str]:

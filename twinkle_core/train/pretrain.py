@@ -20,8 +20,8 @@ import torch
 from pydantic import Field
 
 from twinkle_core.data.pretrain import PackedSplit
-from twinkle_core.config.fields import (CheckpointEvery, DocumentMasks, EvalBatches, GlobalBatchSize, MicroBatchSize,
-                                        MixedPrecisionMode, ModelId, OptimizerFields, VirtualPipelineStages)
+from twinkle_core.config.fields import (CheckpointEvery, DocumentMasks, EvalBatches, GlobalBatchSize, MaxSteps,
+                                        MicroBatchSize, MixedPrecisionMode, ModelId, OptimizerFields, VirtualPipelineStages)
 from twinkle_core.entry import worker_config_path
 from twinkle_core.parallel import ParallelConfig, is_main_process, world_size_from_env
 from twinkle_core.perf import StepPerf
@@ -45,7 +45,7 @@ class PretrainRunConfig(RunConfigFile, OptimizerFields):
     virtual_pipeline_stages: VirtualPipelineStages
     micro_batch_size: MicroBatchSize
     global_batch_size: GlobalBatchSize
-    max_steps: int = Field(ge=1)  # resolved by the flow
+    max_steps: MaxSteps  # never empty here: the pretrain flow requires it
     document_masks: DocumentMasks
     eval_batches: EvalBatches
     log_every: int = Field(1, ge=1)

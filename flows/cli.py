@@ -44,6 +44,13 @@ def _coerce(model: type[BaseModel], name: str, raw: str):
         return raw
 
 
+def run_from_cli(flow, model: type[BaseModel], argv: list[str] | None, doc: str) -> int:
+    """`python -m flows.<name>`: the options into the flow's parameters, the flow run, its summary printed."""
+    result = flow(parse_config(model, argv, description=doc.splitlines()[0]))
+    print("\n" + result["summary"], flush=True)
+    return 0
+
+
 def parse_config(model: type[BaseModel], argv: list[str] | None, description: str) -> BaseModel:
     args = build_parser(model, description).parse_args(argv)
     values: dict = {}

@@ -24,7 +24,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from pydantic import Field
 
-from flows.cli import parse_config
+from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
 from tasks.convert import convert
 from tasks.download import download_dataset, download_model
@@ -205,10 +205,7 @@ def _summary(config: MultiLoraConfig, results: dict, failures: dict, parent: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_config(MultiLoraConfig, argv, description=__doc__.splitlines()[0])
-    result = multi_lora(config)
-    print("\n" + result["summary"], flush=True)
-    return 0
+    return run_from_cli(multi_lora, MultiLoraConfig, argv, __doc__)
 
 
 if __name__ == "__main__":

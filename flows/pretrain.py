@@ -14,7 +14,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
-from flows.cli import parse_config
+from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
 from flows.run_folder import run_folder
 from tasks.convert import convert, open_megatron_checkpoint, to_hf
@@ -152,10 +152,7 @@ def _summary(config: PretrainConfig, checkpoint: CheckpointRef, report: dict, re
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_config(PretrainConfig, argv, description=__doc__.splitlines()[0])
-    result = pretrain(config)
-    print("\n" + result["summary"], flush=True)
-    return 0
+    return run_from_cli(pretrain, PretrainConfig, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
-from flows.cli import parse_config
+from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
 from flows.run_folder import run_folder
 from flows.summary import render_summary
@@ -119,10 +119,7 @@ def _link_mlflow_run(experiment_name: str, run_id: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_config(SFTConfig, argv, description=__doc__.splitlines()[0])
-    result = sft(config)
-    print("\n" + result["summary"], flush=True)
-    return 0
+    return run_from_cli(sft, SFTConfig, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from twinkle_core.config.registry import Registry
+
 from .encode import encode_chat, encode_text
 from .validate import validate_chat_row, validate_text_row
 
@@ -23,30 +25,22 @@ class RowFormat:
     encode: Callable[..., dict]
 
 
-_FORMATS: dict[str, RowFormat] = {}
+_FORMATS: Registry[RowFormat] = Registry("kind", "row kind")
 
 
 def register_row_format(row_format: RowFormat) -> RowFormat:
     """Add a row kind; a kind can be registered only once."""
-    if row_format.kind in _FORMATS:
-        raise ValueError(
-            f"row kind {row_format.kind!r} is already registered; register the new format under another kind"
-        )
-    _FORMATS[row_format.kind] = row_format
-    return row_format
+    return _FORMATS.register(row_format.kind, row_format)
 
 
 def get_row_format(kind: str) -> RowFormat:
     """The registered format of `kind`."""
-    try:
-        return _FORMATS[kind]
-    except KeyError:
-        raise ValueError(f"kind={kind!r} is not a known row kind; use one of: {', '.join(sorted(_FORMATS))}") from None
+    return _FORMATS.get(kind)
 
 
 def row_kinds() -> list[str]:
     """The registered row kinds, sorted."""
-    return sorted(_FORMATS)
+    return _FORMATS.names()
 
 
 def _encode_chat_row(tokenizer, row: dict, enable_thinking: bool = True) -> dict:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from twinkle_core.config.registry import Registry
+
 Rule = Callable[[Any, Any], list[str]]
 
 
@@ -25,27 +27,20 @@ class Backend:
     rules: tuple[Rule, ...]
 
 
-_BACKENDS: dict[str, Backend] = {}
+_BACKENDS: Registry[Backend] = Registry("backend", "training backend")
 
 
 def register_backend(backend: Backend) -> Backend:
     """Add a backend; a name can be registered only once."""
-    if backend.name in _BACKENDS:
-        raise ValueError(f"backend {backend.name!r} is already registered; give the new one another name.")
-    _BACKENDS[backend.name] = backend
-    return backend
+    return _BACKENDS.register(backend.name, backend)
 
 
 def get_backend(name: str) -> Backend:
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"backend={name!r} is not a training backend; use one of: "
-                         f"{', '.join(sorted(_BACKENDS))}.") from None
+    return _BACKENDS.get(name)
 
 
 def backend_names() -> list[str]:
-    return sorted(_BACKENDS)
+    return _BACKENDS.names()
 
 
 def _bad(config, checks) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from twinkle_core.config.registry import Registry
 from twinkle_core.objectives.causal_lm import LossParts, causal_lm_loss_sum
 
 
@@ -25,23 +26,16 @@ class Objective:
     backends: frozenset[str]  # the training backends that implement it
 
 
-_OBJECTIVES: dict[str, Objective] = {}
+_OBJECTIVES: Registry[Objective] = Registry("objective", "training objective")
 
 
 def register_objective(objective: Objective) -> Objective:
     """Add an objective; a name can be registered only once."""
-    if objective.name in _OBJECTIVES:
-        raise ValueError(f"objective {objective.name!r} is already registered; give the new one another name.")
-    _OBJECTIVES[objective.name] = objective
-    return objective
+    return _OBJECTIVES.register(objective.name, objective)
 
 
 def get_objective(name: str) -> Objective:
-    try:
-        return _OBJECTIVES[name]
-    except KeyError:
-        raise ValueError(f"objective={name!r} is not a training objective; use one of: "
-                         f"{', '.join(sorted(_OBJECTIVES))}.") from None
+    return _OBJECTIVES.get(name)
 
 
 register_objective(Objective("causal_lm", "chat", causal_lm_loss_sum, frozenset({"transformers", "megatron"})))

@@ -26,8 +26,8 @@ from tasks.register import register
 from tasks.track import finish_tracking, log_loss_curve, prefect_tags, start_tracking
 from tasks.train import train
 from twinkle_core.config.fields import (CheckpointEvery, DatasetId, DocumentMasks, EvalBatches, ExperimentName,
-                                        GlobalBatchSize, LearningRate, MachinesFields, MaxBadFraction, MaxSteps, MicroBatchSize,
-                                        MixedPrecisionMode, ModelParallelFields, OptimizerFields,
+                                        GlobalBatchSize, LearningRate, MachinesFields, MaxBadFraction, MaxSteps,
+                                        MicroBatchSize, MixedPrecisionMode, ModelParallelFields, OptimizerFields,
                                         ProcessFields, RegisteredModelName, RunFields, SeqLength, ValidationFraction,
                                         VirtualPipelineStages, WarmupRatio, WeightDecay)
 from twinkle_core.tracking import tracking_uri

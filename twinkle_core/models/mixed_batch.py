@@ -20,24 +20,17 @@ from twinkle_core.models.loss import LossModule
 from twinkle_core.objectives.causal_lm import IGNORE_INDEX, LossParts, causal_lm_loss_sum, trained_logits
 
 
-def group_rows(batch: dict[str, torch.Tensor], row_adapters: list[str], order: list[str]
-               ) -> tuple[dict[str, torch.Tensor], list[RowGroup]]:
-    """The batch with its rows sorted by tenant (in `order`), and one row group per tenant of `order`.
+def row_groups(names: list[str], order: list[str]) -> list[RowGroup]:
+    """One row group per tenant of `order` over rows already sorted by tenant (`names`: each row's tenant).
 
     Tenants of `order` without rows here get an empty group (under data parallelism another rank has them).
     """
-    rows = len(row_adapters)
-    rank = {name: i for i, name in enumerate(order)}
-    permutation = sorted(range(rows), key=lambda i: rank[row_adapters[i]])
-    if permutation != list(range(rows)):
-        index = torch.tensor(permutation, device=batch["input_ids"].device)
-        batch = {k: v.index_select(0, index) for k, v in batch.items()}
     groups, start = [], 0
     for name in order:
-        stop = start + sum(1 for adapter in row_adapters if adapter == name)
+        stop = start + names.count(name)
         groups.append(RowGroup(name, start, stop))
         start = stop
-    return batch, groups
+    return groups
 
 
 def seen_tokens(batch: dict[str, torch.Tensor], group: RowGroup) -> int:

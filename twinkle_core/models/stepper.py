@@ -45,6 +45,12 @@ def held_out_metrics(loss_sum: float, tokens: float) -> dict[str, float]:
     return {"loss": loss, "perplexity": float(torch.exp(torch.tensor(loss))), "tokens": tokens}
 
 
+def check_accumulation(steps: int) -> int:
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={steps!r} must be an integer >= 1.")
+    return steps
+
+
 def optimizer_class(optimizer_cls: str | type) -> type:
     """A torch.optim class from its name (a class is returned as it is)."""
     if isinstance(optimizer_cls, str):

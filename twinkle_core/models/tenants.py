@@ -10,13 +10,17 @@ tenant); it checks everything before the model changes, so a refused adapter lea
 """
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import torch
 from peft import LoraConfig
 
+from twinkle_core.models.batches import to_batch
 from twinkle_core.models.schedulers import build_scheduler
-from twinkle_core.models.stepper import Stepper, held_out_metrics
+from twinkle_core.models.stepper import Stepper, check_accumulation, held_out_metrics, optimizer_class
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 _OWNER = re.compile(r"\.lora_(?:A|B)\.([^.]+)\.")
@@ -103,21 +107,96 @@ class TenantSlots:
         return self.tenants.pop(name)
 
 
-class TenantVerbs:
-    """The tenant-keyed verbs every multi-tenant model shares (it has `slots` and `_sum_over_data_parallel`)."""
+@dataclass
+class TenantPart:
+    """One tenant's share of a pass: its summed loss (a tensor for the stepper, and as a number), trained
+    tokens, seen input tokens and router aux loss."""
+
+    loss_sum: torch.Tensor
+    loss: float
+    num_tokens: int
+    seen_tokens: int
+    aux_loss: torch.Tensor | None = None
+
+
+class MultiTenant:
+    """Multi-tenancy as one component over a backend model: the tenant slots, each tenant's stepper, its
+    verbs with the tenant named (`adapter_name=`), and the mixed batch sorted into tenant blocks.
+
+    A backend composes it (`class MultiLoraXModel(MultiTenant, XModel)`) and gives it primitives only:
+    `_tenant_add` / `_tenant_load` (put an adapter on its layers, or leave them as they were and raise),
+    `_tenant_remove`, `_tenant_parameters`, `_tenant_stepper` (an optimizer over the tenant's weights),
+    `_tenant_pass` (one pass of a tenant-sorted batch: each tenant's TenantPart; backward too when given
+    the steppers), `_tenant_save`, `_tenant_config`, `_tenants_changed`, `_set_train_mode`,
+    `_tenants_anywhere` (the union of the tenants over data-parallel ranks) and `_sum_over_data_parallel`.
+    """
 
     slots: TenantSlots
 
-    def _sum_over_data_parallel(self, values: list[float]) -> list[float]:
-        raise NotImplementedError
+    # ----- tenants ---------------------------------------------------------------------------------
+    def add_adapter_to_model(self, name: str, config: LoraConfig, gradient_accumulation_steps: int = 1,
+                             **backend_options) -> None:
+        """Add tenant `name`'s LoRA adapter (its own rank, alpha, targets, dropout); refused ones change nothing."""
+        config = copy.deepcopy(config)  # the defaults a backend fills in stay out of the caller's object
+        self.slots.check_new(name, config)
+        check_accumulation(gradient_accumulation_steps)
+        self._tenant_add(name, config, **backend_options)
+        self.slots.add(Tenant(name, config, gradient_accumulation_steps))
+        self._tenants_changed()
+
+    def remove_adapter(self, name: str) -> None:
+        """Delete tenant `name`: its adapter weights, optimizer state and metrics; its slot is free again."""
+        self.slots.get(name, "remove_adapter")
+        self._tenant_remove(name)
+        self.slots.remove(name)
+        self._tenants_changed()
 
     def adapter_names(self) -> list[str]:
         return self.slots.names()
+
+    def tenant_parameters(self, name: str) -> list[torch.nn.Parameter]:
+        """Tenant `name`'s adapter weights on this rank (its shards under FSDP or tp, its pipeline stage's)."""
+        self.slots.get(name, "tenant_parameters")
+        return self._tenant_parameters(name)
+
+    # ----- optimisation ----------------------------------------------------------------------------
+    def set_optimizer(self, optimizer_cls: str | type = "AdamW", lr: float = 1e-4,
+                      gradient_accumulation_steps: int | None = None, *, adapter_name: str, **kw) -> None:
+        """Give tenant `adapter_name` its own optimizer over its own adapter weights (`kw` go to the class)."""
+        tenant = self.slots.get(adapter_name, "set_optimizer")
+        if gradient_accumulation_steps is not None:
+            tenant.gradient_accumulation_steps = check_accumulation(gradient_accumulation_steps)
+        tenant.stepper = self._tenant_stepper(tenant, optimizer_class(optimizer_cls), lr, kw)
 
     def set_lr_scheduler(self, scheduler_cls: str = "CosineWarmupScheduler", num_warmup_steps: int = 0,
                          num_training_steps: int = 1, *, adapter_name: str) -> None:
         stepper = self._stepper(adapter_name, "set_lr_scheduler")
         stepper.scheduler = build_scheduler(stepper.optimizer, scheduler_cls, num_warmup_steps, num_training_steps)
+
+    def forward_backward(self, inputs: list[dict] | dict, *, adapter_name: str | list[str]) -> float | dict[str, float]:
+        """Forward and backward this rank's rows of one tenant (a name) or several (one name per row) in one
+        pass of the base; the mean token loss, per tenant ({tenant: loss}) for a list of names."""
+        self._set_train_mode(True)
+        batch, names, order = self._sorted_batch(inputs, adapter_name, "forward_backward")
+        steppers = [self._stepper(name, "forward_backward") for name in order]
+        for stepper in steppers:
+            stepper.start_micro_batch()
+        parts = self._tenant_pass(batch, names, order, steppers)
+        for stepper, part in zip(steppers, parts):
+            stepper.record(part.loss_sum, part.num_tokens, part.seen_tokens, part.aux_loss)
+        return self._per_tenant(adapter_name, order, parts)
+
+    @torch.no_grad()
+    def forward_only(self, inputs: list[dict] | dict, *, adapter_name: str | list[str]) -> float | dict[str, float]:
+        """Evaluation forward; accumulates each tenant's held-out loss for calculate_metric(False, ...)."""
+        self._set_train_mode(False)
+        batch, names, order = self._sorted_batch(inputs, adapter_name, "forward_only")
+        parts = self._tenant_pass(batch, names, order, None)
+        for name, part in zip(order, parts):
+            tenant = self.slots.get(name, "forward_only")
+            tenant.eval_sums[0] += part.loss
+            tenant.eval_sums[1] += part.num_tokens
+        return self._per_tenant(adapter_name, order, parts)
 
     def clip_grad_and_step(self, max_grad_norm: float | None = 1.0, *, adapter_name: str) -> bool:
         """Step tenant `adapter_name` when its accumulation boundary is reached; return whether it stepped."""
@@ -135,8 +214,58 @@ class TenantVerbs:
         self._stepper(adapter_name, "calculate_metric")
         return tenant.training_metrics()
 
+    # ----- checkpoints -----------------------------------------------------------------------------
+    def save(self, name: str, output_dir: str | Path, *, adapter_name: str) -> Path:
+        """Write `output_dir/name`: tenant `adapter_name`'s adapter as a plain PEFT directory of the HF model
+        (+ tokenizer); it loads on the HF base with `PeftModel.from_pretrained`. Every rank calls it."""
+        tenant = self.slots.get(adapter_name, "save")
+        return self._tenant_save(tenant, Path(output_dir) / name)
+
+    def load(self, name: str, output_dir: str | Path, *, adapter_name: str | None = None) -> None:
+        """Add the PEFT adapter directory `output_dir/name` as tenant `adapter_name` (default: `name`)."""
+        adapter_name = adapter_name or name
+        source = Path(output_dir) / name
+        config = self._tenant_config(source)
+        self.slots.check_new(adapter_name, config)
+        self._tenant_load(adapter_name, source)
+        self.slots.add(Tenant(adapter_name, config))
+        self._tenants_changed()
+
+    # ----- the shared parts of the verbs -----------------------------------------------------------
+    def _sorted_batch(self, inputs, adapter_name: str | list[str], verb: str
+                      ) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+        """The device batch with its rows in tenant order, each row's tenant, and the call's tenants: in slot
+        order, the union over data-parallel ranks (a tenant may have no rows on some rank)."""
+        batch = to_batch(inputs, self.tokenizer, self.device, self.max_length)
+        rows = batch["input_ids"].shape[0]
+        if isinstance(adapter_name, str):
+            self.slots.get(adapter_name, verb)
+            return batch, [adapter_name] * rows, [adapter_name]  # every rank names the same tenant
+        if not isinstance(adapter_name, (list, tuple)) or not adapter_name:
+            raise ValueError(f"{verb}: adapter_name must be a tenant name or a list with one name per row, "
+                             f"got {adapter_name!r}.")
+        if len(adapter_name) != rows:
+            raise ValueError(f"{verb}: {len(adapter_name)} adapter names for {rows} rows; give one name per row "
+                             "(or one name for the whole batch).")
+        for name in set(adapter_name):
+            self.slots.get(name, verb)
+        anywhere = self._tenants_anywhere(set(adapter_name))
+        order = [name for name in self.slots.names() if name in anywhere]
+        permutation = sorted(range(rows), key=lambda i: order.index(adapter_name[i]))
+        names = [adapter_name[i] for i in permutation]
+        if permutation != list(range(rows)):
+            index = torch.tensor(permutation, device=batch["input_ids"].device)
+            batch = {k: v.index_select(0, index) for k, v in batch.items()}
+        return batch, names, order
+
     def _stepper(self, name: str, verb: str) -> Stepper:
         tenant = self.slots.get(name, verb)
         if tenant.stepper is None:
             raise RuntimeError(f"{verb}: call set_optimizer(..., adapter_name={name!r}) first.")
         return tenant.stepper
+
+    @staticmethod
+    def _per_tenant(adapter_name: str | list[str], order: list[str], parts: list[TenantPart]
+                    ) -> float | dict[str, float]:
+        means = {name: part.loss / max(1, part.num_tokens) for name, part in zip(order, parts)}
+        return means[adapter_name] if isinstance(adapter_name, str) else means

@@ -35,7 +35,7 @@ from twinkle_core.models.batches import count_input_tokens, to_batch
 from twinkle_core.models.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
 from twinkle_core.models.loss import LossModule
 from twinkle_core.models.schedulers import build_scheduler
-from twinkle_core.models.stepper import Stepper, held_out_metrics, optimizer_class
+from twinkle_core.models.stepper import Stepper, check_accumulation, held_out_metrics, optimizer_class
 from twinkle_core.models.training_state import load_training_state, save_training_state
 from twinkle_core.objectives import get_objective
 from twinkle_core.objectives.causal_lm import resolve_router_aux_loss_coef
@@ -135,7 +135,7 @@ class TransformersModel:
             config.exclude_modules = list(self.family.lora_exclude_modules)
         self.model = get_peft_model(self.model, config, adapter_name=name)
         self.adapter_name = name
-        self.gradient_accumulation_steps = _check_accumulation(gradient_accumulation_steps)
+        self.gradient_accumulation_steps = check_accumulation(gradient_accumulation_steps)
         self._apply_storage_dtypes()
 
     def _apply_storage_dtypes(self) -> None:
@@ -164,7 +164,7 @@ class TransformersModel:
         """Create the optimizer over the trainable parameters (`kw` go to the optimizer class)."""
         optimizer_cls = optimizer_class(optimizer_cls)
         if gradient_accumulation_steps is not None:
-            self.gradient_accumulation_steps = _check_accumulation(gradient_accumulation_steps)
+            self.gradient_accumulation_steps = check_accumulation(gradient_accumulation_steps)
         # The strategy wraps or shards the model first where the optimizer must see the sharded parameters.
         runner, optimizer = self.parallel.prepare(self._loss_module(), lambda params: optimizer_cls(params, lr=lr, **kw))
         if self.parallel.is_distributed:  # one process keeps following self.model (adapters may still change)
@@ -326,9 +326,3 @@ class TransformersModel:
         if self.stepper is None:
             raise RuntimeError(f"{verb}: call set_optimizer(...) first.")
         return self.stepper
-
-
-def _check_accumulation(steps: int) -> int:
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"gradient_accumulation_steps={steps!r} must be an integer >= 1.")
-    return steps

@@ -73,10 +73,7 @@ class PretrainRecipe:
                                    ep_size=cfg.parallel.ep_size, sequence_parallel=cfg.parallel.sequence_parallel,
                                    virtual_pipeline_stages=cfg.virtual_pipeline_stages,
                                    micro_batch_size=cfg.micro_batch_size, seed=cfg.seed)
-        dp = self.model.data_parallel_size
-        if cfg.global_batch_size % (dp * cfg.micro_batch_size):
-            raise ValueError(f"global_batch_size={cfg.global_batch_size} must be a multiple of data-parallel "
-                             f"size {dp} x micro_batch_size={cfg.micro_batch_size}.")
+        dp = self.model.data_parallel_size  # global_batch_size fits it: flows.pretrain checked before launch
         self.model.set_optimizer(cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.model.set_lr_scheduler(cfg.scheduler, num_warmup_steps=int(cfg.warmup_ratio * cfg.max_steps),
                                     num_training_steps=cfg.max_steps)

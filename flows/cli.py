@@ -65,4 +65,11 @@ def parse_config(model: type[BaseModel], argv: list[str] | None, description: st
     try:
         return model.model_validate(values)
     except ValidationError as err:
-        raise SystemExit(f"invalid options:\n{err}") from None
+        raise SystemExit("invalid options:\n" + "\n".join(_describe(error) for error in err.errors())) from None
+
+
+def _describe(error: dict) -> str:
+    """One pydantic error as the user wrote it: the option and what is wrong (check_run lists its own)."""
+    where = ".".join(str(part) for part in error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    return f"  {where}: {message}" if where else f"  {message}"

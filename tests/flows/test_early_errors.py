@@ -63,3 +63,14 @@ def test_tp_size_that_does_not_divide_the_heads_fails_right_after_download(sft_w
     assert _task_names(state.state_details.flow_run_id) == ["download_model"]
     runs = sft_workspace["root"] / "runs"  # no run config written: no worker started
     assert not [p for name in ("train_config.json", "multi_lora_config.json") for p in runs.rglob(name)]
+
+
+@pytest.mark.parametrize("module", ["flows.sft", "flows.multi_lora", "flows.pretrain"])
+def test_the_command_line_names_each_bad_option_in_one_line(module):
+    import importlib
+
+    with pytest.raises(SystemExit) as raised:
+        importlib.import_module(module).main(["--mixed-precision", "bf17", "--nproc-per-node", "0"])
+    assert str(raised.value).splitlines() == [
+        "invalid options:", "  mixed_precision: Input should be 'auto', 'bf16', 'fp16', 'fp8' or 'no'",
+        "  nproc_per_node: Input should be greater than or equal to 1"]

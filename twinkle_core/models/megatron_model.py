@@ -391,8 +391,8 @@ def moe_sequence_parallel_problems(hf_config, layout: MegatronParallel) -> list[
     has_expert_layers = architecture_for(hf_config).moe and getattr(hf_config, "n_routed_experts", 0) and \
         getattr(hf_config, "first_k_dense_replace", 0) < hf_config.num_hidden_layers
     if layout.tp > 1 and not layout.sequence_parallel and has_expert_layers:
-        return [f"tp_size={layout.tp}: {hf_config.model_type} is a mixture-of-experts model, which megatron trains "
-                f"at tp_size={layout.tp} only with sequence_parallel=True; set it, or use tp_size=1 (experts can "
+        return [f"tp_size={layout.tp}: {hf_config.model_type} is a mixture-of-experts model: megatron trains it at "
+                f"tp_size={layout.tp} only with sequence_parallel=True; set it, or use tp_size=1 (experts can "
                 "still be split with ep_size / expert_tensor_parallel_size)."]
     return []
 

@@ -38,7 +38,7 @@ def run_layout(name: str, model_path: Path, data_dir: Path, root: Path, steps: i
     config = PretrainRunConfig(
         model_id=str(model_path), model_path=model_path, family="llama3", data_dir=data_dir,
         checkpoint_dir=root / name, mixed_precision="auto", parallel=ParallelConfig(nproc_per_node=nproc, **layout),
-        sequence_parallel=False, virtual_pipeline_stages=None, micro_batch_size=2, global_batch_size=8,
+        virtual_pipeline_stages=None, micro_batch_size=2, global_batch_size=8,
         max_steps=steps, document_masks=True, optimizer="AdamW", lr=5e-5, weight_decay=0.0,
         scheduler="ConstantWarmupScheduler", warmup_ratio=0.0, max_grad_norm=1.0, seed=0, eval_batches=1)
     path = config.write(root / f"{name}.json")

@@ -48,8 +48,13 @@ def _bad(config, checks) -> list[str]:
     return [f"{name}={getattr(config, name)!r}: {why}" for name, bad, why in checks if bad]
 
 
-def _field(config, name: str, default=None):
-    return getattr(config, name, default)
+def raised_problems(check, *args) -> list[str]:
+    """A check that raises ValueError on its first problem, as a list of problems."""
+    try:
+        check(*args)
+    except ValueError as err:
+        return [str(err)]
+    return []
 
 
 # ----- transformers ------------------------------------------------------------------------------------
@@ -75,15 +80,12 @@ def _build_transformers_tenants(cfg):
 
 
 def _transformers_layout(config, model_config) -> list[str]:
+    from twinkle_core.models.multi_lora import multi_lora_layout_problems
     from twinkle_core.parallel import check_parallel_config
 
     parallel = config.parallel()
-    if config.kind == "multi_lora":  # per-row LoRA routing needs whole adapter matrices and whole sequences
-        why = ("multi-tenant LoRA on backend='transformers' runs under DDP/FSDP/HSDP only (dp_size, fsdp_size); "
-               "tp_size, pp_size and sequence_parallel split the model on backend='megatron'")
-        split = _bad(parallel, [(name, getattr(parallel, name) > 1, why)
-                                for name in ("tp_size", "pp_size", "sp_size", "ep_size")])
-        split += _bad(parallel, [("sequence_parallel", parallel.sequence_parallel, why)])
+    if config.kind == "multi_lora":
+        split = multi_lora_layout_problems(parallel.model_dump(), parallel.sequence_parallel)
         if split:
             return split
     try:
@@ -126,13 +128,13 @@ def _megatron_options(config, model_config) -> list[str]:
                                                              "spec; use bf16 (recommended) or no"),
         ("mixed_precision", config.kind == "multi_lora" and config.mixed_precision == "fp16",
          "each tenant would need its own loss scaler inside one backward; use bf16 or no"),
-        ("packing", _field(config, "packing", False), "packed samples restart their positions, which megatron's "
+        ("packing", getattr(config, "packing", False), "packed samples restart their positions, which megatron's "
                                                       "local spec cannot express; use packing=false"),
-        ("sp_size", _field(config, "sp_size", 1) > 1, "Ulysses belongs to the Transformers backend; on megatron "
+        ("sp_size", getattr(config, "sp_size", 1) > 1, "Ulysses belongs to the Transformers backend; on megatron "
                                                       "use sequence_parallel=true with tp_size > 1"),
-        ("dp_size", _field(config, "dp_size", 1) > 1, "megatron's data parallelism is what tp_size x pp_size "
+        ("dp_size", getattr(config, "dp_size", 1) > 1, "megatron's data parallelism is what tp_size x pp_size "
                                                       "leave; use 1"),
-        ("fsdp_size", _field(config, "fsdp_size") not in (None, 1), "FSDP belongs to the Transformers backend"),
+        ("fsdp_size", getattr(config, "fsdp_size", None) not in (None, 1), "FSDP belongs to the Transformers backend"),
     ])]
 
 
@@ -143,13 +145,10 @@ def _megatron_layout(config, model_config) -> list[str]:
 
     parallel = config.parallel()
     layout = MegatronParallel(parallel.tp_size, parallel.pp_size, parallel.ep_size, parallel.sequence_parallel,
-                              _field(config, "virtual_pipeline_stages"))
-    try:
-        layout.check(parallel.world_size())
-    except ValueError as err:
-        return [str(err)]
-    if model_config is None:
-        return []
+                              getattr(config, "virtual_pipeline_stages", None))
+    problems = raised_problems(layout.check, parallel.world_size())
+    if problems or model_config is None:
+        return problems
     return tp_heads_problems(parallel.tp_size, model_config) + moe_sequence_parallel_problems(model_config, layout)
 
 

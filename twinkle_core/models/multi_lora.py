@@ -13,11 +13,11 @@
 
 Multi-tenancy (tenants.py MultiTenant: slots, tenant-sorted batches, per-tenant steppers and the tenant
 verbs, the same for the megatron backend) composed with TransformersModel (loading, precision, strategies,
-tokenizer and generation); this class gives it the primitives of PEFT adapters. The adapters are real PEFT adapters, several on one
-PeftModel; which adapter a row goes through is decided per batch by the LoRA router (lora_routing.py),
-never by PEFT's "active adapter", so tenants can share a batch. Each tenant keeps its own optimizer,
-scheduler, accumulation, grad scaler, step count and metrics (tenants.py), and only ever steps its own
-parameters: a step of one tenant changes no other tenant's weights or optimizer state, nor the base.
+tokenizer and generation); this class gives it the primitives of PEFT adapters. The adapters are real PEFT
+adapters, several on one PeftModel; which adapter a row goes through is decided per batch by the LoRA router
+(lora_routing.py), never by PEFT's "active adapter", so tenants can share a batch. Each tenant keeps its own
+optimizer, scheduler, accumulation, grad scaler, step count and metrics (tenants.py), and only ever steps
+its own parameters: a step of one tenant changes no other tenant's weights or optimizer state, nor the base.
 
 Several processes (FSDP, DDP; twinkle_core.parallel): the model is wrapped once, by the first
 set_optimizer, so add (or load) every tenant before it; afterwards the set of tenants is fixed. Every rank
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -44,20 +44,24 @@ from twinkle_core.parallel import DeviceMesh, is_main_process
 from twinkle_core.parallel.process_group import barrier
 
 
-def check_multi_lora_layout(mesh: DeviceMesh | None) -> None:
+def multi_lora_layout_problems(sizes: Mapping[str, int], sequence_parallel: bool = False) -> list[str]:
     """Tenants train under the data-parallel strategies (DDP, FSDP, HSDP) only.
 
     Per-row LoRA routing computes each tenant's rows with whole adapter matrices and whole sequences: tensor,
-    sequence and expert parallelism split those, so they are refused before any adapter is added.
+    pipeline, sequence and expert parallelism split those, so they are refused (by the flow before launch,
+    and by the model before any adapter is added).
     """
-    if mesh is None:
-        return
-    split = {name: mesh.sizes[name] for name in ("tp_size", "sp_size", "ep_size") if mesh.sizes[name] > 1}
-    if split:
-        listed = ", ".join(f"{k}={v}" for k, v in split.items())
-        raise ValueError(f"multi-tenant LoRA runs under DDP/FSDP/HSDP only; {listed} is not supported for "
-                         f"MultiLoraTransformersModel: use {' and '.join(f'{k}=1' for k in split)} and spread the "
-                         "processes over dp_size/fsdp_size.")
+    split = [f"{name}={sizes[name]}" for name in ("tp_size", "pp_size", "sp_size", "ep_size")
+             if sizes.get(name, 1) > 1] + (["sequence_parallel=True"] if sequence_parallel else [])
+    return [f"{option}: multi-tenant LoRA on the Transformers backend runs under DDP/FSDP/HSDP only; spread the "
+            "processes over dp_size/fsdp_size (tp_size, pp_size and sequence_parallel split the model on "
+            "backend='megatron')" for option in split]
+
+
+def check_multi_lora_layout(mesh: DeviceMesh | None) -> None:
+    problems = multi_lora_layout_problems(mesh.sizes) if mesh is not None else []
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
 
 
 class MultiLoraTransformersModel(MultiTenant, TransformersModel):
@@ -137,8 +141,8 @@ class MultiLoraTransformersModel(MultiTenant, TransformersModel):
         self._check_not_wrapped(verb)
         check_multi_lora_layout(self.mesh)
 
-    def _tenant_parameters(self, name: str, module: torch.nn.Module | None = None) -> list[torch.nn.Parameter]:
-        return [p for n, p in (module or self.model).named_parameters() if adapter_of(n) == name]
+    def _tenant_parameters(self, name: str) -> list[torch.nn.Parameter]:
+        return [p for n, p in self.model.named_parameters() if adapter_of(n) == name]
 
     def _tenant_stepper(self, tenant: Tenant, optimizer_cls: type, lr: float, kw: dict) -> Stepper:
         module = self._loss_module()

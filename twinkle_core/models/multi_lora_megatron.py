@@ -10,13 +10,14 @@
     model.clip_grad_and_step(adapter_name="alice")                            # steps alice only
     model.save("alice", "out/", adapter_name="alice")                         # a plain PEFT adapter directory
 
-The verbs of multi-tenancy (tenants.py MultiTenant, the same for both backends) on MegatronModel's base (tp, pp with 1F1B over micro-batches,
-sequence parallelism, data parallelism over what tp × pp leave). The adapters live on megatron's parallel
-linears, split like their base weights (twinkle_core.megatron.lora); each micro-batch's rows are routed to
-their tenants' adapters, so one pass of the frozen base serves every tenant of a batch. Each tenant keeps
-its own fp32 adapter weights, torch optimizer, scheduler, accumulation, step count and metrics (tenants.py,
-the Stepper), synchronised over megatron's groups by MegatronTenantSync: a step of one tenant changes no
-other tenant's weights or optimizer state, nor the base. Every rank names the same tenant(s) in each call.
+The verbs of multi-tenancy (tenants.py MultiTenant, the same for both backends) on MegatronModel's base (tp,
+pp with 1F1B over micro-batches, sequence parallelism, data parallelism over what tp × pp leave). The
+adapters live on megatron's parallel linears, split like their base weights (twinkle_core.megatron.lora);
+each micro-batch's rows are routed to their tenants' adapters, so one pass of the frozen base serves every
+tenant of a batch. Each tenant keeps its own fp32 adapter weights, torch optimizer, scheduler, accumulation,
+step count and metrics (tenants.py, the Stepper), synchronised over megatron's groups by MegatronTenantSync:
+a step of one tenant changes no other tenant's weights or optimizer state, nor the base. Every rank names
+the same tenant(s) in each call.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from twinkle_core.families import check_model_id
-from twinkle_core.models.backends import get_backend
+from twinkle_core.models.backends import get_backend, raised_problems
 from twinkle_core.objectives import get_objective
 from twinkle_core.precision import resolve_precision
 
@@ -22,20 +22,12 @@ class RunConfigError(ValueError):
     """A run's settings cannot run; the message lists every problem."""
 
 
-def _guarded(check, *args) -> list[str]:
-    """A check that raises ValueError on its first problem, as a list of problems."""
-    try:
-        check(*args)
-    except ValueError as err:
-        return [str(err)]
-    return []
-
-
-def _common_problems(config, model_config) -> list[str]:
+def _common_problems(config) -> list[str]:
     import torch
 
-    problems = _guarded(check_model_id, config.model_id)
-    problems += _guarded(resolve_precision, config.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
+    problems = raised_problems(check_model_id, config.model_id)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    problems += raised_problems(resolve_precision, config.mixed_precision, device)
     try:
         objective = get_objective(config.objective)
     except ValueError as err:
@@ -48,7 +40,7 @@ def _common_problems(config, model_config) -> list[str]:
 
 def run_problems(config, model_config: Any = None) -> list[str]:
     """Every problem of `config` (and of its model, when `model_config` is given); empty when it can run."""
-    problems = _common_problems(config, model_config)
+    problems = _common_problems(config)
     for rule in get_backend(config.backend).rules:
         problems += rule(config, model_config)
     problems += config.problems(model_config)

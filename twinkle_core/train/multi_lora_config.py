@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from twinkle_core.config.fields import (BackendName, LoopFields, LoraFields, MaxLoras, MaxR, MicroBatchSize, MixedBatches,
-                                        MixedPrecisionMode, ModelId, OptimizerFields, TenantName)
+from twinkle_core.config.fields import (BackendName, LoopFields, LoraFields, MaxLoras, MaxR, MicroBatchSize,
+                                        MixedBatches, MixedPrecisionMode, ModelId, OptimizerFields, TenantName)
 from twinkle_core.parallel import ParallelConfig
 from twinkle_core.train.config import RunConfigFile
 

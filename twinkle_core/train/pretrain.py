@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
-from twinkle_core.data.pretrain import PackedSplit
 from twinkle_core.config.fields import (CheckpointEvery, DocumentMasks, EvalBatches, GlobalBatchSize, MaxSteps,
-                                        MicroBatchSize, MixedPrecisionMode, ModelId, OptimizerFields, VirtualPipelineStages)
+                                        MicroBatchSize, MixedPrecisionMode, ModelId, OptimizerFields,
+                                        VirtualPipelineStages)
+from twinkle_core.data.pretrain import PackedSplit
 from twinkle_core.entry import worker_config_path
 from twinkle_core.parallel import ParallelConfig, is_main_process, world_size_from_env
 from twinkle_core.perf import StepPerf

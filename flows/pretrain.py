@@ -84,7 +84,7 @@ class PretrainConfig(RunFields, ModelParallelFields, MachinesFields, ProcessFiel
         return self.registered_model_name or default_model_name(self.model_id, "pretrain-")
 
     def run_config(self, model: ModelRef, data: PackedRef, checkpoint_dir: Path, run_id: str) -> PretrainRunConfig:
-        given = dict(model_path=model.path, family=model.family, data_dir=data.path, checkpoint_dir=checkpoint_dir,
+        given = dict(model_path=model.path, **model.load_options(), data_dir=data.path, checkpoint_dir=checkpoint_dir,
                      parallel=self.parallel(), mlflow_run_id=run_id, tracking_uri=tracking_uri())
         shared = (set(PretrainRunConfig.model_fields) & set(PretrainConfig.model_fields)) - set(given)
         return PretrainRunConfig(**self.model_dump(include=shared), **given)
@@ -95,7 +95,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> dict:
     """Continue pre-training `config.model_id` on `config.dataset` with megatron-core and register the result."""
     run_dir = run_folder(config.output_dir)
     timeout_s = config.timeout_minutes * 60
-    model = download_model(config.model_id)
+    model = download_model(config.model_id, **config.model_options())
     config.check_model(model)  # model-dependent rules (tp_size vs the heads, MoE under tp) before the rest
     data = pack(download_dataset(config.dataset), model, config.seq_length, config.validation_fraction,
                 config.seed, config.max_bad_fraction)

@@ -58,7 +58,7 @@ class SFTConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, 
         return self.registered_model_name or default_model_name(self.model_id)
 
     def run_config(self, model: ModelRef, train_data: str, checkpoint_dir: Path, run_id: str) -> TrainRunConfig:
-        given = dict(model_path=model.path, family=model.family, train_data=train_data, checkpoint_dir=checkpoint_dir,
+        given = dict(model_path=model.path, **model.load_options(), train_data=train_data, checkpoint_dir=checkpoint_dir,
                      parallel=self.parallel(), objective=self.objective, mlflow_run_id=run_id,
                      tracking_uri=tracking_uri())
         shared = (set(TrainRunConfig.model_fields) & set(SFTConfig.model_fields)) - set(given)
@@ -69,7 +69,7 @@ class SFTConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, 
 def sft(config: SFTConfig = SFTConfig()) -> dict:
     """Fine-tune `config.model_id` on `config.dataset` and register the result in MLflow."""
     run_dir = run_folder(config.output_dir)  # a retry of this flow run gets the same folder and resumes
-    model = download_model(config.model_id)
+    model = download_model(config.model_id, **config.model_options())
     config.check_model(model)  # model-dependent rules (tp_size vs the heads, ...) before anything else runs
     train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)
     kind = get_objective(config.objective).row_kind

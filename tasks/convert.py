@@ -30,8 +30,8 @@ def to_megatron(model: ModelRef, tp: int = 1, pp: int = 1, timeout_s: float | No
     log = get_run_logger()
     result = convert_cached(model.path, model.content_hash, "megatron", MegatronParallel(tp, pp), log.info, timeout_s)
     log.info("%s as a Megatron checkpoint: %s", model.model_id, result.path)
-    return ModelRef(model_id=model.model_id, path=str(result.path), content_hash=result.content_hash,
-                    family=result.family, backend="megatron")
+    return model.model_copy(update=dict(path=str(result.path), content_hash=result.content_hash,
+                                        family=result.family, backend="megatron"))
 
 
 @task
@@ -41,8 +41,8 @@ def to_hf(checkpoint: ModelRef, tp: int = 1, pp: int = 1, timeout_s: float | Non
     result = convert_cached(checkpoint.path, checkpoint.content_hash, "hf", MegatronParallel(tp, pp), log.info,
                             timeout_s)
     log.info("%s as a Hugging Face checkpoint: %s", checkpoint.model_id, result.path)
-    return ModelRef(model_id=checkpoint.model_id, path=str(result.path), content_hash=result.content_hash,
-                    family=result.family, backend="transformers")
+    return checkpoint.model_copy(update=dict(path=str(result.path), content_hash=result.content_hash,
+                                             family=result.family, backend="transformers"))
 
 
 @task

@@ -34,11 +34,12 @@ def _local_source(text: str) -> Path | None:
 
 
 def _id_cache_key(context: TaskRunContext, parameters: dict) -> str:
-    """Remote ids are keyed by the id (the hub pins content by revision); local ones also by their files."""
-    text = next(iter(parameters.values()))
+    """Remote ids are keyed by the id (the hub pins content by revision); local ones also by their files.
+    The id is the first parameter; the others (load options) are part of the key as they are."""
+    text, *options = parameters.values()
     local = _local_source(text)
     fingerprint = _local_fingerprint(local) if local is not None and local.exists() else None
-    return hash_json([text, fingerprint, str(cache_root())])
+    return hash_json([text, fingerprint, str(cache_root()), options])
 
 
 def _is_transient(task, task_run, state) -> bool:
@@ -59,13 +60,23 @@ ID_CACHE = TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_id_cache_key)
 
 @task(cache_policy=ID_CACHE, persist_result=True, retries=2, retry_delay_seconds=5,
       retry_condition_fn=_is_transient)
-def download_model(model_id: str) -> ModelRef:
-    """Resolve a model id (ms://, hf://, pkg://, local, GGUF) to a Hugging Face directory."""
+def download_model(model_id: str, chat_template: str | None = None, trust_remote_code: bool = False) -> ModelRef:
+    """Resolve a model id (ms://, hf://, pkg://, local, GGUF) to a Hugging Face directory.
+
+    `chat_template` (Jinja source) and `trust_remote_code` travel with the ModelRef to every task that opens it.
+    """
     resolved = resolve_model(model_id)
-    family = family_for_model_dir(resolved.path, model_id)
-    get_run_logger().info("%s: %s family, %s", model_id, family.title, resolved.path)
+    family = family_for_model_dir(resolved.path, model_id, trust_remote_code)
+    log = get_run_logger()
+    log.info("%s: %s family, %s", model_id, family.title, resolved.path)
+    if not family.tested:
+        log.warning("%s: model_type %r is not in the tested families; it trains on the Transformers backend with "
+                    "what the model declares (its chat template, all-linear LoRA, its tp plan and experts)",
+                    model_id, family.model_types[0])
+    if trust_remote_code:
+        log.warning("%s: trust_remote_code is on: the checkpoint's own modelling code runs in this run", model_id)
     return ModelRef(model_id=model_id, path=str(resolved.path), content_hash=resolved.content_hash,
-                    family=family.name)
+                    family=family.name, chat_template=chat_template, trust_remote_code=trust_remote_code)
 
 
 @task(cache_policy=ID_CACHE, persist_result=True, retries=2, retry_delay_seconds=5,

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from twinkle_core.config.fields import ModelLoadFields
 
-class ModelRef(BaseModel):
+
+class ModelRef(ModelLoadFields):
+    """A downloaded (or converted) model; its load options travel with it to every task that opens it."""
+
     model_id: str
     path: str
     content_hash: str
-    family: str
     backend: str = "transformers"
 
 

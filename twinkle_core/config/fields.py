@@ -33,6 +33,8 @@ SchedulerName = Literal["CosineWarmupScheduler", "LinearWarmupScheduler", "Const
 ModelId = Annotated[str, Field(description="Model: ms://org/name[@rev], hf://org/name[@rev], pkg://package/path, or a local path (GGUF files are converted once; a Megatron checkpoint folder of this project where the flow reads one).")]
 DatasetId = Annotated[str, Field(description="Training data: ms://org/name[@rev][:split], hf://…, pkg://… or a local .jsonl/.json/.parquet.")]
 EvalDatasetId = Annotated[str, Field(description="Held-out data of the same kind: its loss and the before/after answers.")]
+ChatTemplateChoice = Annotated[str | None, Field(description="Chat template, for any family: one of ours by name (qwen3, llama3, chatml, …) or a .jinja file. Default: the tokenizer's own, else the tested family's; a model of an untested family with neither needs this.")]
+TrustRemoteCode = Annotated[bool, Field(description="Run the modelling code a checkpoint ships beside its weights (config.json auto_map). Off by default: it executes that code on this machine with your rights.")]
 BackendName = Annotated[Backend, Field(description="Training backend: transformers (Transformers + Accelerate/FSDP, DDP, TP, SP, EP), or megatron (megatron-core: tp_size × pp_size, ep_size, data parallel over the rest; Megatron-capable families only).")]
 
 # ----- data ----------------------------------------------------------------------------------------------
@@ -107,6 +109,26 @@ ExperimentName = Annotated[str, Field(description="MLflow experiment.")]
 OutputDir = Annotated[str, Field(description="Where run folders (configs, checkpoints, eval) are written.")]
 TimeoutMinutes = Annotated[float, Field(gt=0, description="Kill the worker processes (training, conversion) after this long.")]
 DeviceLimit = Annotated[str | None, Field(description="Prefect global concurrency limit that training takes nproc_per_node slots of; runs queue while it is full (no such limit on the server: no waiting; empty: never wait).")]
+
+
+class ModelSourceFields(BaseModel):
+    """How the model is read: the chat template it renders with, whether its own code may run."""
+
+    chat_template: ChatTemplateChoice = None
+    trust_remote_code: TrustRemoteCode = False
+
+
+class ModelLoadFields(BaseModel):
+    """What loading a downloaded model needs: its family, the template the run chose, remote code or not."""
+
+    family: str
+    chat_template: str | None = Field(None, description="Jinja source the run chose (None: the tokenizer's own, "
+                                                         "else the family's).")
+    trust_remote_code: TrustRemoteCode = False
+
+    def load_options(self) -> dict:
+        """The keyword arguments TransformersModel takes for these."""
+        return {name: getattr(self, name) for name in ModelLoadFields.model_fields}
 
 
 class DataSourceFields(BaseModel):

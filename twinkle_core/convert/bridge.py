@@ -148,6 +148,26 @@ def _prediction_layer_tensors(names: set[str], hf_config) -> set[str]:
     return {n for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= first}
 
 
+def _name_pattern(hf_name: str) -> str:
+    return re.escape(hf_name).replace(r"\{i\}", r"\d+").replace(r"\{e\}", r"\d+")
+
+
+def check_tensor_names(hf_dir: str | Path, hf_config) -> None:
+    """Before any model is built: every tensor of the checkpoint has a rule in the table (names only).
+
+    A model_type outside the table passes the config check when its keys are Llama's; this catches what
+    the config cannot show (a norm after the MLP, fused q/k/v, a per-projection q norm).
+    """
+    table = mapping_for(hf_config)
+    pattern = re.compile("|".join(_name_pattern(name) for rule in table.model + table.layer for name in rule.hf))
+    names = SafetensorsReader(hf_dir).names()
+    unmapped = sorted(n for n in names - _prediction_layer_tensors(names, hf_config) if not pattern.fullmatch(n))
+    if unmapped:
+        raise CheckpointMismatchError(
+            f"{hf_config.model_type}: the HF checkpoint {hf_dir} has tensors the megatron-core mapping has no place "
+            f"for: {unmapped[:6]}{' ...' if len(unmapped) > 6 else ''}; train it with backend='transformers'.")
+
+
 def _check_all_used(available: set[str], used: set[str], hf_dir) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         pooled: list[set[str] | None] = [None] * dist.get_world_size()

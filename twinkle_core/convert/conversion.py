@@ -4,8 +4,9 @@
 
 Each rank builds only its part of the model (`build_gpt_model` at the requested layout), fills it from
 the source (slices of the HF safetensors, or the dist checkpoint resharded to this layout), and writes its
-part. The family registry decides what may be converted: a family not marked Megatron-capable is refused
-with its reason before anything is built. `python -m twinkle_core.convert` is the command-line entry.
+part. What may be converted is decided before anything is built: a tested family not marked Megatron-capable
+is refused with the registry's reason; any other model converts when its config and tensor names fit the
+bridge's table (else the refusal names the config key or tensors that do not). `python -m twinkle_core.convert` is the command-line entry.
 """
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from twinkle_core.convert.bridge import export_hf_weights, load_hf_weights
+from twinkle_core.convert.bridge import CheckpointMismatchError, check_tensor_names, export_hf_weights, load_hf_weights
 from twinkle_core.convert.megatron_checkpoint import (HF_DIR, copy_hf_side_files, load_megatron_checkpoint,
                                                       read_checkpoint_info, save_megatron_checkpoint)
 from twinkle_core.families import family_for_model_dir
-from twinkle_core.megatron.model_builder import build_gpt_model
+from twinkle_core.megatron.model_builder import UnsupportedArchitectureError, build_gpt_model, check_architecture
 from twinkle_core.megatron.parallel_state import MegatronParallel, initialize_megatron_parallel
 
 logger = logging.getLogger(__name__)
@@ -54,12 +55,22 @@ def checkpoint_dtype(hf_config) -> torch.dtype:
 
 
 def megatron_family(hf_dir: str | Path) -> str:
-    """The registry family of an HF directory, checked to be Megatron-capable."""
+    """The registry family of an HF directory, checked to be Megatron-capable.
+
+    A tested family says so in the registry; for an untested one the bridge's table decides: its config
+    and its tensor names must fit a Llama-style GPTModel (else the refusal names what does not fit).
+    """
     family = family_for_model_dir(hf_dir)
-    if not family.megatron:
+    if family.tested and not family.megatron:
         raise NotMegatronCapableError(
             f"{hf_dir}: family {family.title!r} ({', '.join(family.model_types)}) cannot be converted to "
             f"megatron-core: {family.notes}. Use backend='transformers' for it.")
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    try:
+        check_architecture(hf_config)
+        check_tensor_names(hf_dir, hf_config)
+    except (UnsupportedArchitectureError, CheckpointMismatchError) as err:
+        raise NotMegatronCapableError(f"{hf_dir}: cannot be converted to megatron-core: {err}") from err
     return family.name
 
 

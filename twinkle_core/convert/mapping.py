@@ -129,6 +129,16 @@ def _mixture_of_experts() -> tuple[Rule, ...]:
             *_gated_mlp("mlp.shared_experts", f"{_LAYER}mlp.shared_experts"))
 
 
+def _qwen_mixture_of_experts(hf_config) -> tuple[Rule, ...]:
+    """Qwen2/Qwen3-MoE: softmax router, per-expert SwiGLU experts; Qwen2-MoE adds a sigmoid-gated shared expert."""
+    rules = (Rule("mlp.router.weight", (f"{_LAYER}mlp.gate.weight",)),
+             *_gated_mlp("mlp.experts.local_experts.{e}", f"{_LAYER}mlp.experts.{{e}}"))
+    if getattr(hf_config, "shared_expert_intermediate_size", None):
+        rules += (*_gated_mlp("mlp.shared_experts", f"{_LAYER}mlp.shared_expert"),
+                  Rule("mlp.shared_experts.gate_weight", (f"{_LAYER}mlp.shared_expert_gate.weight",)))
+    return rules
+
+
 def mapping_for(hf_config) -> MappingTable:
     """The table for this HF config (its model_type, biases, q/k norms, MLA, MoE, embedding tying)."""
     arch = architecture_for(hf_config)
@@ -136,7 +146,8 @@ def mapping_for(hf_config) -> MappingTable:
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     attention = _multi_latent_attention(hf_config) if arch.mla else _attention(arch, bool(qkv_bias))
     # MoE models keep dense MLPs in their first layers: both kinds of rules, each layer uses its own.
-    mlp = _DENSE_MLP + (_mixture_of_experts() if arch.moe else ())
+    experts = {"deepseek": _mixture_of_experts, "qwen": lambda: _qwen_mixture_of_experts(hf_config)}
+    mlp = _DENSE_MLP + (experts[arch.moe]() if arch.moe else ())
     return MappingTable(model=(_EMBEDDING, _FINAL_NORM, _TIED_OUTPUT if tied else _OUTPUT),
                         layer=_NORMS + attention + mlp)
 

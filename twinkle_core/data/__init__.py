@@ -7,7 +7,8 @@ from .formats import RowFormat, get_row_format, register_row_format, row_kinds
 from .packing import pack_examples
 from .rows import BadRow, LoadedRows, load_rows
 from .spans import assistant_spans
-from .templates import DEFAULT_CHAT_TEMPLATE, ensure_chat_template, render_chat
+from .templates import (DEFAULT_CHAT_TEMPLATE, ensure_chat_template, no_template_message, read_chat_template,
+                        render_chat, use_chat_template)
 from .tokenized import FORMAT_VERSION, TokenizedDataset, load_tokenized, read_meta, tokenize_dataset
 from .validate import validate_chat_row, validate_text_row
 
@@ -16,6 +17,7 @@ __all__ = [
     "LoadedRows", "RowError", "RowFormat", "TokenizedDataset", "assistant_spans", "block_causal_mask",
     "chat_template_names", "collate", "count_trained_tokens", "encode_chat", "encode_prompt", "encode_text",
     "ensure_chat_template", "get_chat_template", "get_row_format", "load_rows", "load_tokenized",
-    "pack_examples", "read_meta", "register_row_format", "render_chat", "row_kinds",
+    "no_template_message", "pack_examples", "read_chat_template", "read_meta", "register_row_format", "render_chat",
+    "row_kinds", "use_chat_template",
     "tokenize_dataset", "truncate", "validate_chat_row", "validate_text_row",
 ]

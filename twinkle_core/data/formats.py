@@ -23,6 +23,7 @@ class RowFormat:
     kind: str
     validate: Callable[[Any], dict]
     encode: Callable[..., dict]
+    needs_chat_template: bool = True  # its rows are rendered with the tokenizer's chat template
 
 
 _FORMATS: Registry[RowFormat] = Registry("kind", "row kind")
@@ -52,4 +53,4 @@ def _encode_text_row(tokenizer, row: dict, enable_thinking: bool = True) -> dict
 
 
 register_row_format(RowFormat("chat", validate_chat_row, _encode_chat_row))
-register_row_format(RowFormat("text", validate_text_row, _encode_text_row))
+register_row_format(RowFormat("text", validate_text_row, _encode_text_row, needs_chat_template=False))

@@ -4,10 +4,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from pathlib import Path
 
 import jinja2
 
-from .chat_templates import get_chat_template
+from .chat_templates import chat_template_names, get_chat_template
 from .errors import ChatTemplateError
 from .messages import normalise_messages
 
@@ -101,3 +102,33 @@ def ensure_chat_template(tokenizer, template_name: str) -> bool:
         template_owner(tokenizer), template_name, at, own[at:at + 40], expected[at:at + 40],
     )
     return False
+
+
+def read_chat_template(spec: str) -> str:
+    """The Jinja source of a template the user names: one of ours by name, or a .jinja file."""
+    if spec in chat_template_names():
+        return get_chat_template(spec)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    raise ChatTemplateError(f"chat_template={spec!r} is neither one of our templates ({', '.join(chat_template_names())}) "
+                            "nor an existing Jinja file.")
+
+
+def no_template_message(owner: str) -> str:
+    return (f"tokenizer {owner} has no chat template, and its model family is not in the tested list, so there is "
+            f"no family template to fall back on. Pass --chat-template NAME (one of: {', '.join(chat_template_names())}) "
+            "or --chat-template path/to/template.jinja.")
+
+
+def use_chat_template(tokenizer, chosen: str | None = None, family_template: str | None = None,
+                      required: bool = True) -> None:
+    """Give `tokenizer` the template it renders with: the user's `chosen` Jinja source, else its own, else
+    the family's; with none of them, `required` raises ChatTemplateError naming --chat-template."""
+    if chosen:
+        tokenizer.chat_template = chosen
+        logger.info("tokenizer %s renders with the chat template the run names", template_owner(tokenizer))
+    elif family_template:
+        ensure_chat_template(tokenizer, family_template)
+    elif not tokenizer.chat_template and required:
+        raise ChatTemplateError(no_template_message(template_owner(tokenizer)))

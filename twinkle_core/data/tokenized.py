@@ -17,7 +17,7 @@ from .errors import ChatTemplateError, DatasetError, RowError
 from .formats import get_row_format
 from .packing import pack_examples
 from .rows import BadRow, check_fraction, load_rows, report_bad_rows
-from .templates import ensure_chat_template
+from .templates import use_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -93,15 +93,18 @@ def tokenize_dataset(
     max_bad_fraction: float = 0.01,
     enable_thinking: bool = True,
     chat_template: str | None = None,
+    chosen_template: str | None = None,
+    trust_remote_code: bool = False,
 ) -> TokenizedDataset:
     """Encode every row of a data file with a local tokenizer directory, or reuse the cached result.
 
     enable_thinking=False trains chat replies without their reasoning. `chat_template` names a family template
-    (see chat_template_names()) for a tokenizer that ships none; a tokenizer's own template is kept.
+    (see chat_template_names()) for a tokenizer that ships none; a tokenizer's own template is kept, unless
+    `chosen_template` (Jinja source the user chose) replaces it. Chat rows need one of the three.
     """
     from transformers import AutoTokenizer  # heavy; only needed here, so importing the package stays light
 
-    get_row_format(kind)
+    row_format = get_row_format(kind)
     check_fraction(max_bad_fraction)
     if max_length < 1:
         raise ValueError(f"max_length={max_length} must be a positive number of tokens")
@@ -112,9 +115,8 @@ def tokenize_dataset(
         raise ValueError(
             f"tokenizer_path={str(tokenizer_path)!r} is not a directory; pass a local model or tokenizer folder"
         )
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    if chat_template is not None:
-        ensure_chat_template(tokenizer, chat_template)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    use_chat_template(tokenizer, chosen_template, chat_template, required=row_format.needs_chat_template)
     settings = {"kind": kind, "max_length": max_length, "packing": packing, "enable_thinking": enable_thinking}
     key = _cache_key(dataset_path, tokenizer_path, tokenizer, settings)
     final = cache_dir("tokenized") / key[:16]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from twinkle_core.config.fields import ModelLoadFields
 from twinkle_core.data import collate, load_tokenized
 from twinkle_core.entry import worker_config_path
 from twinkle_core.models import TransformersModel
@@ -19,9 +20,8 @@ from twinkle_core.models import TransformersModel
 logger = logging.getLogger(__name__)
 
 
-class EvalRunConfig(BaseModel):
+class EvalRunConfig(ModelLoadFields):
     model_path: Path
-    family: str
     checkpoints: dict[str, Path | None] = Field(description="label -> adapter/full checkpoint (None = base).")
     heldout_data: Path
     prompts: list[list[dict]] = Field(default_factory=list, description="Conversations to answer greedily.")
@@ -40,8 +40,8 @@ class ModelReport(BaseModel):
 
 def _load(config: EvalRunConfig, checkpoint: Path | None) -> TransformersModel:
     if checkpoint is not None and not (checkpoint / "adapter_config.json").exists():
-        return TransformersModel(str(checkpoint), mixed_precision=config.mixed_precision, family=config.family)
-    model = TransformersModel(str(config.model_path), mixed_precision=config.mixed_precision, family=config.family)
+        return TransformersModel(str(checkpoint), mixed_precision=config.mixed_precision, **config.load_options())
+    model = TransformersModel(str(config.model_path), mixed_precision=config.mixed_precision, **config.load_options())
     if checkpoint is not None:
         model.load(checkpoint.name, checkpoint.parent)
     return model

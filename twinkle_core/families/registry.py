@@ -22,7 +22,7 @@ class ModelFamily:
     model_types: tuple[str, ...]  # Hugging Face config.json model_type values
     model_ids: str  # the checkpoints the specification names (for docs)
     id_pattern: str  # regex on "org/name" of hub ids (case-insensitive) for early validation
-    chat_template: str  # name in twinkle_core.data chat templates, used when a tokenizer has none
+    chat_template: str | None  # name in twinkle_core.data chat templates, used when a tokenizer has none
     end_of_turn: tuple[str, ...]  # special tokens that end an assistant turn
     moe_model_types: tuple[str, ...] = ()  # the model_types that are mixture-of-experts
     thinking: bool = False  # has a thinking / reasoning mode
@@ -31,6 +31,7 @@ class ModelFamily:
     lora_target_modules: str | tuple[str, ...] = "all-linear"
     lora_exclude_modules: tuple[str, ...] = ()  # linears LoRA must not wrap (e.g. grouped projections)
     default_for_model_type: bool = True  # the family a bare model_type maps to when several share it
+    tested: bool = True  # False: a model_type outside the registry, trained with what its model declares
     notes: str = ""
     _id_regex: re.Pattern = field(init=False, repr=False, compare=False)
 
@@ -74,7 +75,26 @@ def families() -> list[ModelFamily]:
     return list(_FAMILIES.values())
 
 
+# An untested family's name: the prefix and its model_type ("untested-gemma2").
+UNTESTED_PREFIX = "untested-"
+
+
+def untested_family(model_type: str) -> ModelFamily:
+    """A model_type no registered family covers: everything it can do comes from the model itself.
+
+    Its tokenizer's own chat template is used (or the one the user names), LoRA targets every linear
+    layer, and the tensor-parallel plan, experts, router loss and attention kind are read from its config.
+    """
+    return ModelFamily(
+        name=UNTESTED_PREFIX + model_type, title=f"untested ({model_type})", model_types=(model_type,),
+        model_ids="", id_pattern=r"(?!)", chat_template=None, end_of_turn=(), tested=False,
+        notes="not in the tested list: trained through the Transformers backend with what its model declares",
+    )
+
+
 def get_family(name: str) -> ModelFamily:
+    if name.startswith(UNTESTED_PREFIX):
+        return untested_family(name.removeprefix(UNTESTED_PREFIX))
     if name not in _FAMILIES:
         raise UnsupportedModelError(f"family {name!r} is not registered; choose one of {sorted(_FAMILIES)}.")
     return _FAMILIES[name]
@@ -85,13 +105,13 @@ def _supported() -> str:
 
 
 def family_for_model_type(model_type: str, model_id: str | None = None) -> ModelFamily:
-    """The family of a config.json model_type; the id picks among families sharing a model_type."""
+    """The family of a config.json model_type; the id picks among families sharing a model_type.
+
+    A model_type no family covers gets an untested family (see `untested_family`).
+    """
     candidates = [f for f in _FAMILIES.values() if model_type in f.model_types]
     if not candidates:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r}{f' (model {model_id!r})' if model_id else ''} is not supported; "
-            f"supported families: {_supported()}."
-        )
+        return untested_family(model_type)
     repo = _repo_of(model_id) if model_id else None
     by_id = [f for f in candidates if repo and f.matches_id(repo)]
     return (by_id or [f for f in candidates if f.default_for_model_type] or candidates)[0]
@@ -112,18 +132,40 @@ def family_for_model_id(model_id: str) -> ModelFamily | None:
     return matches[0] if matches else None
 
 
-def family_for_model_dir(path: str | Path, model_id: str | None = None) -> ModelFamily:
-    """The family of a downloaded Hugging Face directory (from its config.json model_type)."""
+def family_for_model_dir(path: str | Path, model_id: str | None = None,
+                         trust_remote_code: bool = False) -> ModelFamily:
+    """The family of a downloaded Hugging Face directory (from its config.json model_type).
+
+    A checkpoint whose architecture exists only as code shipped beside its weights is refused unless
+    `trust_remote_code`: running that code runs whatever it contains, with the caller's rights.
+    """
     config = Path(path) / "config.json"
     if not config.exists():
         raise UnsupportedModelError(f"{path} has no config.json, so its model family cannot be told.")
     values = json.loads(config.read_text())
+    remote = remote_code_of(values)
+    if remote and not trust_remote_code:
+        raise UnsupportedModelError(
+            f"{model_id or path}: model_type {values.get('model_type')!r} is not built into transformers; the "
+            f"checkpoint ships its own modelling code ({remote}), and twinkle never runs a checkpoint's code "
+            "unless asked. Pass --trust-remote-code (trust_remote_code=True) to run it: it executes that "
+            "code on this machine with your rights, so read it first.")
     if values.get(SOURCE_FAMILY_KEY):  # a checkpoint we converted (e.g. InternLM2 -> Llama layout)
         return get_family(values[SOURCE_FAMILY_KEY])
     model_type = values.get("model_type")
     if not model_type:
         raise UnsupportedModelError(f"{config} has no model_type; supported families: {_supported()}.")
     return family_for_model_type(model_type, model_id)
+
+
+def remote_code_of(config: dict) -> str | None:
+    """The code files a config.json needs for its architecture (None: transformers has it built in)."""
+    from transformers import CONFIG_MAPPING
+
+    auto_map = config.get("auto_map") or {}
+    if not auto_map or config.get("model_type") in CONFIG_MAPPING:
+        return None
+    return ", ".join(f"{name}: {target}" for name, target in sorted(auto_map.items()))
 
 
 # Ids of model kinds the specification lists for later releases: fail early with a clear message.

@@ -39,7 +39,9 @@ class Architecture:
     qkv_bias: bool | str = False  # True, False, or the HF config attribute that says
     qk_layernorm: bool = False  # Qwen3-style RMSNorm on each q and k head
     mla: bool = False  # DeepSeek multi-latent attention
-    moe: bool = False
+    # None: dense. "deepseek": sigmoid router with a balance bias, group-limited top-k, shared experts.
+    # "qwen": softmax top-k router (Qwen2-MoE adds a sigmoid-gated shared expert).
+    moe: str | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
@@ -47,17 +49,52 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("mistral"),
     Architecture("qwen2", qkv_bias=True),
     Architecture("qwen3", qk_layernorm=True),
-    Architecture("deepseek_v3", mla=True, moe=True),
+    Architecture("qwen2_moe", qkv_bias=True, moe="qwen"),
+    Architecture("qwen3_moe", qk_layernorm=True, moe="qwen"),
+    Architecture("deepseek_v3", mla=True, moe="deepseek"),
 )}
+
+# Config keys any Llama-style decoder may carry: the shapes the table maps, and settings that change nothing
+# the bridge computes (ids, dropout, caching, initialisation). A model_type outside ARCHITECTURES converts
+# when every other key it sets is unset, false or zero; the first that is not is named in the refusal.
+_LLAMA_KEYS = frozenset("""
+    vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim
+    hidden_act max_position_embeddings rms_norm_eps tie_word_embeddings rope_theta rope_scaling rope_parameters
+    attention_bias attention_dropout mlp_bias initializer_range use_cache pretraining_tp pad_token_id
+    bos_token_id eos_token_id layer_types
+""".split())
+
+
+def _generic_keys() -> frozenset[str]:
+    from transformers import PretrainedConfig
+
+    return frozenset(PretrainedConfig().to_dict()) | {"transformers_version", "architectures", "dtype",
+                                                      "torch_dtype", "model_type", "auto_map"}
+
+
+def _llama_like(hf_config) -> Architecture:
+    """The table entry of a model_type the table does not list, when its config is a Llama decoder's."""
+    model_type = getattr(hf_config, "model_type", None)
+    values = hf_config.to_dict()
+    extra = {k: v for k, v in values.items() if k not in _LLAMA_KEYS | _generic_keys() and v not in (None, False, 0,
+                                                                                                     0.0, [], {})}
+    if extra:
+        key, value = next(iter(sorted(extra.items())))
+        raise UnsupportedArchitectureError(
+            f"model_type={model_type!r} is not in the bridge's table ({', '.join(sorted(ARCHITECTURES))}) and its "
+            f"config key {key}={value!r} has no place in a Llama-style megatron-core GPTModel"
+            + (f" (nor do {sorted(extra)[1:6]})" if len(extra) > 1 else "") + "; train it with backend='transformers'.")
+    kinds = set(values.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise UnsupportedArchitectureError(f"model_type={model_type!r}: config key layer_types={sorted(kinds)} (megatron's "
+                                           "GPTModel here has full attention in every layer).")
+    return Architecture(model_type, qkv_bias="attention_bias")
 
 
 def architecture_for(hf_config) -> Architecture:
+    """The table entry of a Hugging Face config; a model_type the table lacks is checked to be Llama-like."""
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"model_type={model_type!r} has no megatron-core mapping; supported model_types: "
-            f"{sorted(ARCHITECTURES)}.")
-    return ARCHITECTURES[model_type]
+    return ARCHITECTURES.get(model_type) or _llama_like(hf_config)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
@@ -86,9 +123,9 @@ def _check_dense(hf_config, arch: Architecture) -> None:
     if arch.qkv_bias == "attention_bias" and getattr(hf_config, "attention_bias", False):
         # Llama's attention_bias also puts a bias on o_proj, which megatron only has with every linear biased.
         problems.append("attention_bias=True on a Llama-type model (o_proj bias is not mapped)")
-    if arch.moe and getattr(hf_config, "scoring_func", "sigmoid") != "sigmoid":
+    if arch.moe == "deepseek" and getattr(hf_config, "scoring_func", "sigmoid") != "sigmoid":
         problems.append(f"scoring_func={hf_config.scoring_func!r} (the mapping covers DeepSeek-V3's sigmoid router)")
-    if arch.moe and not getattr(hf_config, "norm_topk_prob", True):
+    if arch.moe == "deepseek" and not getattr(hf_config, "norm_topk_prob", True):
         problems.append("norm_topk_prob=False (megatron's sigmoid router always normalizes its top-k weights)")
     if arch.mla and not getattr(hf_config, "rope_interleave", True):
         problems.append("rope_interleave=False (megatron's MLA always de-interleaves the rotary dimensions)")
@@ -114,16 +151,58 @@ def _mla_settings(hf_config) -> dict:
     )
 
 
-def _moe_settings(hf_config) -> dict:
+def _moe_settings(hf_config, arch: Architecture) -> dict:
+    return _deepseek_moe_settings(hf_config) if arch.moe == "deepseek" else _qwen_moe_settings(hf_config)
+
+
+def _qwen_moe_layers(hf_config) -> list[int]:
+    """Qwen2/Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th."""
+    step, dense = getattr(hf_config, "decoder_sparse_step", 1) or 1, set(getattr(hf_config, "mlp_only_layers", []) or [])
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
+
+
+def _qwen_moe_settings(hf_config) -> dict:
+    """Qwen2/Qwen3-MoE routing: softmax over the experts, top-k, renormalised when norm_topk_prob.
+
+    softmax → top-k → renormalise equals top-k on the logits → softmax (megatron's default order); without
+    renormalisation the top-k weights are the full softmax's (megatron's pre-softmax order).
+    """
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None)
+    return dict(
+        num_moe_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size, moe_layer_freq=moe_layer_pattern(hf_config),
+        moe_router_score_function="softmax", moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", False),
+        moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_gate=bool(shared),
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False, moe_router_dtype="fp32",
+    )
+
+
+def moe_layer_pattern(hf_config) -> list[int]:
+    """1 for each decoder layer with routed experts, 0 for a dense one."""
+    moe = architecture_for(hf_config).moe
+    if moe == "qwen":
+        return _qwen_moe_layers(hf_config)
+    dense_first = getattr(hf_config, "first_k_dense_replace", 0) if moe else hf_config.num_hidden_layers
+    return [0] * dense_first + [1] * (hf_config.num_hidden_layers - dense_first)
+
+
+def num_routed_experts(hf_config) -> int | None:
+    """The routed experts of a mixture-of-experts config the bridge maps (None: dense)."""
+    moe = architecture_for(hf_config).moe
+    return {"deepseek": getattr(hf_config, "n_routed_experts", None),
+            "qwen": getattr(hf_config, "num_experts", None)}.get(moe)
+
+
+def _deepseek_moe_settings(hf_config) -> dict:
     """DeepSeek-V3 routing: sigmoid scores plus a balance bias, group-limited top-k, scaled, shared experts."""
-    dense_first = getattr(hf_config, "first_k_dense_replace", 0)
     return dict(
         num_moe_experts=hf_config.n_routed_experts, moe_router_topk=hf_config.num_experts_per_tok,
         moe_ffn_hidden_size=hf_config.moe_intermediate_size,
         moe_shared_expert_intermediate_size=(hf_config.n_shared_experts * hf_config.moe_intermediate_size
                                              if hf_config.n_shared_experts else None),
-        moe_layer_freq=[0] * dense_first + [1] * (hf_config.num_hidden_layers - dense_first),
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_layer_freq=moe_layer_pattern(hf_config), moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=hf_config.routed_scaling_factor,
         moe_router_num_groups=hf_config.n_group, moe_router_group_topk=hf_config.topk_group,
         # Converting and checking needs no balancing loss; training (issue 6) sets its own.
@@ -140,7 +219,7 @@ def check_layout(hf_config, layout: MegatronParallel) -> None:
         divisors = [n for n in range(1, groups + 1) if groups % n == 0]
         problems.append(f"tp={layout.tp} does not divide the {groups} key/value heads (megatron splits whole "
                         f"query groups); use tp in {divisors}")
-    experts = getattr(hf_config, "n_routed_experts", None) if architecture_for(hf_config).moe else None
+    experts = num_routed_experts(hf_config)
     if layout.ep > 1 and not experts:
         problems.append(f"ep={layout.ep} needs a mixture-of-experts model and this one has no experts; use ep=1")
     elif experts and experts % layout.ep:
@@ -166,6 +245,17 @@ def _expert_tensor_parallel_problems(hf_config, layout: MegatronParallel, expert
     return []
 
 
+def check_architecture(hf_config) -> Architecture:
+    """Everything about the config megatron-core cannot express, raised before anything is built."""
+    arch = architecture_for(hf_config)
+    _check_dense(hf_config, arch)
+    if arch.mla:
+        _mla_settings(hf_config)
+    else:
+        _hf_inverse_frequencies(hf_config)
+    return arch
+
+
 def transformer_config_from_hf(hf_config, layout: MegatronParallel = MegatronParallel(),
                                dtype: torch.dtype = torch.float32, init_weights: bool = False):
     """The megatron `TransformerConfig` that computes what the HF model computes, split as `layout` says."""
@@ -175,7 +265,7 @@ def transformer_config_from_hf(hf_config, layout: MegatronParallel = MegatronPar
     _check_dense(hf_config, arch)
     check_layout(hf_config, layout)
     qkv_bias = getattr(hf_config, arch.qkv_bias, False) if isinstance(arch.qkv_bias, str) else arch.qkv_bias
-    extra = {**(_mla_settings(hf_config) if arch.mla else {}), **(_moe_settings(hf_config) if arch.moe else {})}
+    extra = {**(_mla_settings(hf_config) if arch.mla else {}), **(_moe_settings(hf_config, arch) if arch.moe else {})}
     config_class = MLATransformerConfig if arch.mla else TransformerConfig
     return config_class(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
@@ -198,21 +288,38 @@ def transformer_config_from_hf(hf_config, layout: MegatronParallel = MegatronPar
     )
 
 
-def _hf_inverse_frequencies(hf_config) -> torch.Tensor | None:
-    """HF's inverse RoPE frequencies where they differ from plain RoPE (None: megatron's own are HF's)."""
+def _hf_inverse_frequencies(hf_config) -> tuple[torch.Tensor | None, float]:
+    """HF's inverse RoPE frequencies where they differ from plain RoPE (None: megatron's own are HF's), and
+    the factor HF scales cos and sin by (YaRN's attention factor; 1 otherwise)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_type = _rope_parameters(hf_config)["rope_type"]
     if rope_type == "default":
-        return None
+        return None, 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise UnsupportedArchitectureError(f"rope_type={rope_type!r} is not known to transformers.")
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
-    if attention_scaling != 1.0:
+    if attention_scaling != 1.0 and rope_type != "yarn":
         raise UnsupportedArchitectureError(
             f"rope_type={rope_type!r} rescales attention by {attention_scaling}, which megatron's GPTModel "
-            f"RoPE does not; supported: default, llama3, linear, dynamic.")
-    return inv_freq.float()
+            f"RoPE does not; supported: default, llama3, linear, dynamic, yarn.")
+    return inv_freq.float(), float(attention_scaling)
+
+
+def _scale_rotary_like_hf(config, hf_config, attention_scaling: float) -> None:
+    """YaRN outside MLA: megatron's attention multiplies cos and sin by the concentration factor its config's
+    yarn_* attributes give; set them so that factor is HF's attention factor, or refuse."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor_from_config)
+
+    rope = _rope_parameters(hf_config)
+    config.yarn_rotary_scaling_factor = rope.get("factor", 1.0)
+    config.yarn_mscale, config.yarn_mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    theirs = _yarn_get_concentration_factor_from_config(config)
+    if abs(theirs - attention_scaling) > 1e-12:
+        raise UnsupportedArchitectureError(
+            f"rope_parameters attention_factor: HF scales cos/sin by {attention_scaling}, megatron's YaRN factor "
+            f"from factor/mscale/mscale_all_dim is {theirs}.")
 
 
 def build_gpt_chunks(hf_config, layout: MegatronParallel = MegatronParallel(), dtype: torch.dtype = torch.float32,
@@ -270,9 +377,12 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
         _mark_tensor_parallel_weights(model)
     if layout.expert_tp != layout.tp:
         _reduce_experts_over_expert_data_parallel(model)
-    inv_freq = None if config.multi_latent_attention else _hf_inverse_frequencies(hf_config)
-    if inv_freq is not None:
-        model.rotary_pos_emb.inv_freq = inv_freq
+    if not config.multi_latent_attention:
+        inv_freq, attention_scaling = _hf_inverse_frequencies(hf_config)
+        if inv_freq is not None:
+            model.rotary_pos_emb.inv_freq = inv_freq
+        if attention_scaling != 1.0:
+            _scale_rotary_like_hf(config, hf_config, attention_scaling)
     return model
 
 

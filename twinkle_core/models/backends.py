@@ -64,8 +64,8 @@ def _build_transformers(cfg):
 
     return TransformersModel(str(cfg.model_path), mixed_precision=cfg.mixed_precision,
                              strategy=cfg.parallel.strategy.value, device_mesh=worker_mesh(cfg.parallel),
-                             router_aux_loss_coef=cfg.router_aux_loss_coef, family=cfg.family,
-                             objective=cfg.objective)
+                             router_aux_loss_coef=cfg.router_aux_loss_coef, objective=cfg.objective,
+                             **cfg.load_options())
 
 
 def _build_transformers_tenants(cfg):
@@ -74,7 +74,7 @@ def _build_transformers_tenants(cfg):
 
     return MultiLoraTransformersModel(
         str(cfg.model_path), mixed_precision=cfg.mixed_precision, strategy=cfg.parallel.strategy.value,
-        device_mesh=worker_mesh(cfg.parallel), family=cfg.family, max_loras=cfg.max_loras, max_r=cfg.max_r,
+        device_mesh=worker_mesh(cfg.parallel), max_loras=cfg.max_loras, max_r=cfg.max_r, **cfg.load_options(),
         # mixed batches train tenants together: the MoE router loss (a statistic over all rows) stays off
         router_aux_loss_coef=0.0 if cfg.mixed_batches else None)
 

@@ -386,10 +386,9 @@ def _megatron_precision(mode: str):
 
 def moe_sequence_parallel_problems(hf_config, layout: MegatronParallel) -> list[str]:
     """megatron's MoE layer refuses to train at tp > 1 without sequence parallelism: say so before building."""
-    from twinkle_core.megatron.model_builder import architecture_for
+    from twinkle_core.megatron.model_builder import moe_layer_pattern
 
-    has_expert_layers = architecture_for(hf_config).moe and getattr(hf_config, "n_routed_experts", 0) and \
-        getattr(hf_config, "first_k_dense_replace", 0) < hf_config.num_hidden_layers
+    has_expert_layers = any(moe_layer_pattern(hf_config))
     if layout.tp > 1 and not layout.sequence_parallel and has_expert_layers:
         return [f"tp_size={layout.tp}: {hf_config.model_type} is a mixture-of-experts model: megatron trains it at "
                 f"tp_size={layout.tp} only with sequence_parallel=True; set it, or use tp_size=1 (experts can "

@@ -73,7 +73,7 @@ class MultiLoraTransformersModel(MultiTenant, TransformersModel):
         self.slots = TenantSlots(max_loras, max_r)  # checked before the model loads
         self.router = LoraRouter()
         super().__init__(model_id, mixed_precision, strategy, device_mesh, max_length, router_aux_loss_coef, family,
-                         **from_pretrained_kwargs)
+                         **from_pretrained_kwargs)  # chat_template, trust_remote_code ride in the keywords
 
     @contextlib.contextmanager
     def adapter(self, name: str) -> Iterator[None]:

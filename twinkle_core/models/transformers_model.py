@@ -28,7 +28,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from twinkle_core.data import ensure_chat_template
+from twinkle_core.data import use_chat_template
 from twinkle_core.families import family_for_model_dir, get_family
 from twinkle_core.hub import resolve_model
 from twinkle_core.models.batches import count_input_tokens, to_batch
@@ -84,10 +84,14 @@ class TransformersModel:
         router_aux_loss_coef: float | None = None,
         family: str | None = None,
         objective: str = "causal_lm",
+        chat_template: str | None = None,
+        trust_remote_code: bool = False,
         **from_pretrained_kwargs: Any,
     ):
         """`router_aux_loss_coef`: weight of the MoE router load-balancing loss (None: the config's, 0: off);
-        `objective`: the loss forward_backward computes (a registered twinkle_core.objectives name)."""
+        `objective`: the loss forward_backward computes (a registered twinkle_core.objectives name);
+        `chat_template`: Jinja source that replaces the tokenizer's own template; `trust_remote_code`: run the
+        modelling code a checkpoint ships (refused otherwise)."""
         strategy = parse_strategy(strategy)
         self.objective = get_objective(objective)
         self.mesh = _resolve_mesh(device_mesh)  # joins the process group first: it picks this rank's GPU
@@ -96,11 +100,18 @@ class TransformersModel:
         self.model_id = model_id
         self.path = resolve_model(model_id).path
         # Unsupported model_types fail here; `family` settles checkpoints that share an architecture (Yi/Llama).
-        self.family = get_family(family) if family else family_for_model_dir(self.path, model_id)
+        self.family = get_family(family) if family else family_for_model_dir(self.path, model_id, trust_remote_code)
+        if not self.family.tested:
+            logger.warning("%s: model_type %r is not in the tested families; training it with what its model "
+                           "declares (its own chat template, all-linear LoRA targets)", model_id,
+                           self.family.model_types[0])
         self.max_length = max_length
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        ensure_chat_template(self.tokenizer, self.family.chat_template)  # the family's when it ships none
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=trust_remote_code)
+        # The run's template, else the tokenizer's own, else the family's; generation needs none to exist.
+        use_chat_template(self.tokenizer, chat_template, self.family.chat_template, required=False)
         from_pretrained_kwargs.setdefault("dtype", self.precision.trainable_dtype)
+        if trust_remote_code:
+            from_pretrained_kwargs["trust_remote_code"] = True
         # Loaded whole on every rank, also under tensor parallelism: the strategy shards it in set_optimizer.
         self.model = AutoModelForCausalLM.from_pretrained(self.path, **from_pretrained_kwargs).to(self.device)
         if self.precision.fp8_linears:

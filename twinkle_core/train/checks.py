@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from twinkle_core.families import check_model_id
+from twinkle_core.data import get_row_format, no_template_message, read_chat_template
+from twinkle_core.families import check_model_id, get_family
 from twinkle_core.models.backends import get_backend, raised_problems
 from twinkle_core.objectives import get_objective
 from twinkle_core.precision import resolve_precision
@@ -26,6 +27,8 @@ def _common_problems(config) -> list[str]:
     import torch
 
     problems = raised_problems(check_model_id, config.model_id)
+    if getattr(config, "chat_template", None):
+        problems += raised_problems(read_chat_template, config.chat_template)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     problems += raised_problems(resolve_precision, config.mixed_precision, device)
     try:
@@ -38,25 +41,38 @@ def _common_problems(config) -> list[str]:
     return problems
 
 
-def run_problems(config, model_config: Any = None) -> list[str]:
-    """Every problem of `config` (and of its model, when `model_config` is given); empty when it can run."""
-    problems = _common_problems(config)
+def _template_problems(config, model) -> list[str]:
+    """Chat rows need a template: the run's, the tokenizer's own, or a tested family's."""
+    if model is None or model.chat_template or not get_row_format(get_objective(config.objective).row_kind).needs_chat_template:
+        return []
+    if get_family(model.family).chat_template:
+        return []
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+    return [] if tokenizer.chat_template else ["chat_template=None: " + no_template_message(repr(model.model_id))]
+
+
+def run_problems(config, model_config: Any = None, model: Any = None) -> list[str]:
+    """Every problem of `config` (and of its model, when `model_config` and the downloaded `model` are given);
+    empty when it can run."""
+    problems = _common_problems(config) + _template_problems(config, model)
     for rule in get_backend(config.backend).rules:
         problems += rule(config, model_config)
     problems += config.problems(model_config)
     return list(dict.fromkeys(problems))  # one line per problem, in the order found
 
 
-def check_run(config, model_config: Any = None) -> None:
+def check_run(config, model_config: Any = None, model: Any = None) -> None:
     """Raise RunConfigError listing every problem of `config`; nothing when it can run."""
-    problems = run_problems(config, model_config)
+    problems = run_problems(config, model_config, model)
     if problems:
         where = " (with the model's config)" if model_config is not None else ""
         raise RunConfigError(f"{config.kind}{where}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
 
 
-def model_config_of(model_dir: str) -> Any:
+def model_config_of(model_dir: str, trust_remote_code: bool = False) -> Any:
     """The Hugging Face config of a downloaded model directory."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir)
+    return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)

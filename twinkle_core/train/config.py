@@ -9,8 +9,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from twinkle_core.config.fields import (AdapterFields, BackendName, CheckpointEvery, LoopFields,
-                                        MixedPrecisionMode, ModelId, OptimizerFields, RouterAuxLossCoef)
+from twinkle_core.config.fields import (AdapterFields, BackendName, CheckpointEvery, LoopFields, MixedPrecisionMode,
+                                        ModelId, ModelLoadFields, OptimizerFields, RouterAuxLossCoef)
 from twinkle_core.parallel import ParallelConfig
 
 
@@ -26,14 +26,13 @@ class RunConfigFile(BaseModel):
         return cls.model_validate_json(Path(path).read_text())
 
 
-class TrainRunConfig(RunConfigFile, AdapterFields, OptimizerFields, LoopFields):
+class TrainRunConfig(RunConfigFile, AdapterFields, OptimizerFields, LoopFields, ModelLoadFields):
     """Everything a worker needs; paths only, no live objects."""
 
     model_id: ModelId
     backend: BackendName = "transformers"  # megatron: model_path is a Megatron checkpoint or an HF dir
     objective: str = "causal_lm"  # a registered training objective (twinkle_core.objectives)
     model_path: Path
-    family: str
     train_data: Path
     checkpoint_dir: Path
     adapter_name: str = "default"

@@ -9,7 +9,8 @@ from pathlib import Path
 from pydantic import Field
 
 from twinkle_core.config.fields import (BackendName, LoopFields, LoraFields, MaxLoras, MaxR, MicroBatchSize,
-                                        MixedBatches, MixedPrecisionMode, ModelId, OptimizerFields, TenantName)
+                                        MixedBatches, MixedPrecisionMode, ModelId, ModelLoadFields, OptimizerFields,
+                                        TenantName)
 from twinkle_core.parallel import ParallelConfig
 from twinkle_core.train.config import RunConfigFile
 
@@ -22,12 +23,11 @@ class TenantRunConfig(LoraFields, OptimizerFields, LoopFields):
     mlflow_run_id: str | None = None
 
 
-class MultiLoraRunConfig(RunConfigFile):
+class MultiLoraRunConfig(RunConfigFile, ModelLoadFields):
     """Everything the workers need; paths only, no live objects."""
 
     model_id: ModelId
     model_path: Path  # an HF checkpoint, or for backend megatron this project's Megatron checkpoint
-    family: str
     backend: BackendName = "transformers"
     micro_batch_size: MicroBatchSize = 1
     checkpoint_dir: Path

@@ -20,7 +20,7 @@ import torch
 from pydantic import Field
 
 from twinkle_core.config.fields import (CheckpointEvery, DocumentMasks, EvalBatches, GlobalBatchSize, MaxSteps,
-                                        MicroBatchSize, MixedPrecisionMode, ModelId, OptimizerFields,
+                                        MicroBatchSize, MixedPrecisionMode, ModelId, ModelLoadFields, OptimizerFields,
                                         VirtualPipelineStages)
 from twinkle_core.data.pretrain import PackedSplit
 from twinkle_core.entry import worker_config_path
@@ -33,12 +33,11 @@ from twinkle_core.train.recipe import emit
 LATEST = "latest"  # the file in checkpoint_dir naming the last complete training checkpoint
 
 
-class PretrainRunConfig(RunConfigFile, OptimizerFields):
+class PretrainRunConfig(RunConfigFile, OptimizerFields, ModelLoadFields):
     """Everything a pre-training worker needs (the fields are twinkle_core.config's; flows.pretrain sets them)."""
 
     model_id: ModelId
     model_path: Path  # an HF directory or a Megatron checkpoint of this project
-    family: str
     data_dir: Path  # a packed corpus (pack_text_corpus)
     checkpoint_dir: Path
     mixed_precision: MixedPrecisionMode

@@ -26,6 +26,7 @@ from pydantic import Field
 
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
+from flows.summary import family_line
 from tasks.convert import convert
 from tasks.download import download_dataset, download_model
 from tasks.evaluate import evaluate
@@ -146,7 +147,7 @@ def multi_lora(config: MultiLoraConfig = MultiLoraConfig()) -> dict:
         log.error("tenant %s failed: %s", name, error)
         fail_tenant_tracking(runs[name], error)
     finish_tracking(parent, "FINISHED" if results else "FAILED")
-    summary = _summary(config, results, failures, parent)
+    summary = _summary(config, results, failures, parent, hf_model.family)
     create_markdown_artifact(summary, key="multi-lora-summary", description="tenants: trained, evaluated, registered")
     log.info("run summary:\n%s", summary)
     if not results:
@@ -180,10 +181,10 @@ def _evaluate_and_register(config: MultiLoraConfig, name: str, model: ModelRef, 
             "reports": reports, "registration": registration, "prompts": prepared["prompts"]}
 
 
-def _summary(config: MultiLoraConfig, results: dict, failures: dict, parent: str) -> str:
+def _summary(config: MultiLoraConfig, results: dict, failures: dict, parent: str, family: str) -> str:
     lines = ["## Twinkle Flows: multi-tenant LoRA summary", "", f"model: {config.model_id} on {config.backend}, "
              f"{'mixed batches' if config.mixed_batches else 'tenants one after another'}, {config.mixed_precision}",
-             "", "| tenant | status | final train loss | held-out loss base → trained | registered |",
+             family_line(family), "", "| tenant | status | final train loss | held-out loss base → trained | registered |",
              "|---|---|---|---|---|"]
     for tenant in config.tenants:
         if tenant.name in results:

@@ -102,7 +102,8 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
     finish_tracking(run_id)
     if curve:
         links["loss_curve"] = artifact_url(run_id, curve)
-    summary = render_summary(config, prompts, reports, registration, run_id, checkpoint, train_data, links)
+    summary = render_summary(config, prompts, reports, registration, run_id, checkpoint, train_data, links,
+                             hf_model.family)
     create_markdown_artifact(summary, key="sft-summary", description="base vs trained model")
     get_run_logger().info("run summary:\n%s", summary)
     return {"summary": summary, "run_id": run_id, "registration": registration, "reports": reports,

@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from tasks.refs import CheckpointRef, TokenizedRef
+from twinkle_core.families import get_family
 from twinkle_core.precision import auto_precision
 
 
@@ -21,8 +22,18 @@ def _settings(config: Any) -> str:
     return "settings: " + ", ".join(parts)
 
 
+def family_line(family_name: str) -> str:
+    """How a report names the model's family; an untested one says so."""
+    family = get_family(family_name)
+    if family.tested:
+        return f"family: {family.title}"
+    return (f"family: untested (model_type {family.model_types[0]!r} is not in the tested list; trained with what "
+            "the model declares: its chat template, all-linear LoRA targets, its own tp plan and experts)")
+
+
 def render_summary(config: Any, prompts: list[list[dict]], reports: dict, registration: dict, run_id: str,
-                   checkpoint: CheckpointRef, train_data: TokenizedRef, links: dict[str, str] | None = None) -> str:
+                   checkpoint: CheckpointRef, train_data: TokenizedRef, links: dict[str, str] | None = None,
+                   family: str | None = None) -> str:
     """The report; `links` (MLflow run page, loss-curve image) add a link line and the embedded curve."""
     base, trained = reports["base"], reports["trained"]
     resumed = f", resumed from step {checkpoint.resumed_from_step}" if checkpoint.resumed_from_step else ""
@@ -30,6 +41,7 @@ def render_summary(config: Any, prompts: list[list[dict]], reports: dict, regist
         "## Twinkle Flows: SFT summary",
         "",
         f"model: {config.model_id}",
+        *([family_line(family)] if family else []),
         f"dataset: {config.dataset} ({train_data.num_rows} rows, {train_data.num_trained_tokens} trained tokens, "
         f"{train_data.num_bad} bad rows skipped)",
         _settings(config),

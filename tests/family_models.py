@@ -26,6 +26,7 @@ SEED = 0
 
 FAMILY_VARIANTS: dict[str, list[str]] = {
     "qwen3_5": ["dense", "moe"],
+    "qwen3": ["dense", "moe"],
     "qwen2_5": ["dense"],
     "llama3": ["dense"],
     "mistral": ["dense"],
@@ -64,6 +65,8 @@ TOKENS: dict[str, Tokens] = {
     # Qwen instruct checkpoints: no BOS in the tokenizer, <|im_end|> ends a turn, <|endoftext|> pads.
     "qwen3_5": Tokens(_QWEN + ("<think>", "</think>"), "<|im_end|>", None, "<|endoftext|>",
                       ("<|im_end|>", "<|endoftext|>"), config_bos="<|endoftext|>"),
+    "qwen3": Tokens(_QWEN + ("<think>", "</think>"), "<|im_end|>", None, "<|endoftext|>",
+                    ("<|im_end|>", "<|endoftext|>"), config_bos="<|endoftext|>"),
     "qwen2_5": Tokens(_QWEN, "<|im_end|>", None, "<|endoftext|>", ("<|im_end|>", "<|endoftext|>"),
                       config_bos="<|endoftext|>"),
     # Llama 3.1/3.3 instruct: BOS prepended by the tokenizer, no pad token, three stop tokens.
@@ -167,6 +170,18 @@ def _text_config(family: str, variant: str, tokenizer):
                                     num_key_value_heads=2, rope_theta=1_000_000.0, max_position_embeddings=32768,
                                     rms_norm_eps=1e-6, use_sliding_window=False, sliding_window=131072,
                                     max_window_layers=28, tie_word_embeddings=False)
+    if family == "qwen3" and variant == "dense":  # Qwen3-8B: RMSNorm per q/k head, GQA 4:1, head_dim 128 ≠ 4096/32
+        return AutoConfig.for_model("qwen3", **common, intermediate_size=128, num_attention_heads=4,
+                                    num_key_value_heads=1, head_dim=32, max_position_embeddings=40960,
+                                    rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    if family == "qwen3":  # Qwen3-30B-A3B: every layer MoE, softmax top-k renormalised, no shared expert
+        return AutoConfig.for_model("qwen3_moe", **common, intermediate_size=128, moe_intermediate_size=32,
+                                    num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                                    mlp_only_layers=[], router_aux_loss_coef=0.001, num_attention_heads=4,
+                                    num_key_value_heads=1, head_dim=32, max_position_embeddings=40960,
+                                    rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
     if family == "llama3":  # Llama-3.1-8B-Instruct: llama3 rope scaling, GQA 4:1, untied
         return AutoConfig.for_model("llama", **common, intermediate_size=224, num_attention_heads=4,
                                     num_key_value_heads=1, max_position_embeddings=131072, rms_norm_eps=1e-5,

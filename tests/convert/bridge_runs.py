@@ -2,8 +2,9 @@
 
 Each family's tiny model (tests/family_models.py); those with a single key/value head are rebuilt with 2,
 so that tp=2 can split their query groups (megatron splits whole groups; the real checkpoints have 8).
-Plus a Qwen3-style model (q/k norms, tied embeddings) that no registry family uses yet. DeepSeek R1 is
-the V3 architecture: multi-latent attention, a dense first layer, then routed + shared experts.
+Plus a Qwen3 model with tied embeddings (as Qwen3-0.6B) and a Llama with YaRN rope. DeepSeek R1 is the V3
+architecture: multi-latent attention, a dense first layer, then routed + shared experts; Qwen3 MoE routes
+with a softmax top-k and has no shared expert.
 One worker run per layout checks all of them: tp2 first (it also saves dist checkpoints), then tp1, pp2
 and ep2 (experts split over 2 ranks), which also load those.
 """
@@ -28,12 +29,15 @@ TESTS = Path(__file__).resolve().parents[1]
 WORKER_PATH = os.pathsep.join([str(TESTS / "convert"), str(TESTS), str(TESTS.parent)])
 RUN_TIMEOUT_S = 300
 
-# name → (registry family, family_models variant); the Megatron-capable families with their tiny shapes.
-MODELS = {"llama3": "llama3", "qwen2_5": "qwen2_5", "mistral": "mistral", "yi": "yi", "internlm2_5": "internlm2_5",
-          "deepseek_r1": "deepseek_r1", "qwen3_tied": None}
+# name → (registry family, family_models variant); the Megatron-capable families with their tiny shapes, and
+# two shapes no family checkpoint has (built below): tied embeddings, and YaRN rope outside MLA.
+MODELS = {"llama3": ("llama3", "dense"), "qwen2_5": ("qwen2_5", "dense"), "mistral": ("mistral", "dense"),
+          "yi": ("yi", "dense"), "internlm2_5": ("internlm2_5", "dense"), "deepseek_r1": ("deepseek_r1", "moe"),
+          "qwen3": ("qwen3", "dense"), "qwen3_moe": ("qwen3", "moe"), "qwen3_tied": ("qwen3", None),
+          "llama_yarn": ("llama3", None)}
 LAYOUTS = {"tp2": {"tp": 2}, "tp1": {}, "pp2": {"pp": 2}, "ep2": {"ep": 2}}
 NPROC = {"tp2": 2, "tp1": 1, "pp2": 2, "ep2": 2}
-ONLY = {"ep2": ["deepseek_r1"]}  # expert parallelism needs experts
+ONLY = {"ep2": ["deepseek_r1", "qwen3_moe"]}  # expert parallelism needs experts
 
 
 def layout_models(layout: str) -> list[str]:
@@ -72,18 +76,32 @@ def _qwen3_tied(dst: Path, tokenizer_src: Path) -> Path:
     return dst
 
 
+def _llama_yarn(dst: Path, tokenizer_src: Path) -> Path:
+    """A Llama with YaRN rope (factor 4 over 64 original positions: the probe's 24 tokens see the scaled
+    frequencies), so megatron must rotate by HF's YaRN frequencies and scale cos/sin by its attention factor."""
+    config = AutoConfig.from_pretrained(tokenizer_src)
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 64}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(dst)
+    copy_hf_side_files(tokenizer_src, dst)
+    config.save_pretrained(dst)
+    return dst
+
+
 def build_models(root: Path) -> dict[str, Path]:
     models = {}
-    for name, family in MODELS.items():
-        if family is None:
+    for name, (family, variant) in MODELS.items():
+        if variant is None:
             continue
-        raw = save_tiny_family_model(family, root / "raw" / name)
+        raw = save_tiny_family_model(family, root / "raw" / name, variant)
         if family == "internlm2_5":  # the family is converted to the Llama layout on download
             convert_internlm2_to_llama(raw, root / "raw" / "internlm2_5_llama")
             raw = root / "raw" / "internlm2_5_llama"
         single_kv_head = AutoConfig.from_pretrained(raw).num_key_value_heads == 1
         models[name] = _with_two_kv_heads(raw, root / "hf" / name) if single_kv_head else raw
     models["qwen3_tied"] = _qwen3_tied(root / "hf" / "qwen3_tied", models["qwen2_5"])
+    models["llama_yarn"] = _llama_yarn(root / "hf" / "llama_yarn", models["llama3"])
     return models
 
 
@@ -102,7 +120,7 @@ class BridgeRuns:
 def write_job(root: Path, models: dict[str, Path]) -> Path:
     job = {"layouts": LAYOUTS, "save_dist": DIST_SAVED_AT, "only": ONLY,
            "load_dist": {name: DIST_SAVED_AT for name in LAYOUTS if name != DIST_SAVED_AT},
-           "models": [{"name": name, "family": MODELS[name] or "qwen3", "hf_dir": str(path),
+           "models": [{"name": name, "family": MODELS[name][0], "hf_dir": str(path),
                        "out": str(root / "out" / name), "max_shard_bytes": 40_000}
                       for name, path in models.items()]}
     path = root / "job.json"

@@ -21,12 +21,13 @@ IDS = [f"{family}-{variant}" for family, variant in CASES]
 
 MODEL_TYPES = {
     ("qwen3_5", "dense"): "qwen3_5", ("qwen3_5", "moe"): "qwen3_5_moe", ("qwen2_5", "dense"): "qwen2",
+    ("qwen3", "dense"): "qwen3", ("qwen3", "moe"): "qwen3_moe",
     ("llama3", "dense"): "llama", ("mistral", "dense"): "mistral", ("yi", "dense"): "llama",
     ("glm4", "dense"): "glm4", ("deepseek_r1", "moe"): "deepseek_v3", ("deepseek_v4", "moe"): "deepseek_v4",
     ("internlm2_5", "dense"): "internlm2",
 }
 # MoE families whose Transformers module defines a router load-balancing loss (DeepSeek-V3 balances by a bias).
-ROUTER_LOSS = {("qwen3_5", "moe"), ("deepseek_v4", "moe")}
+ROUTER_LOSS = {("qwen3_5", "moe"), ("qwen3", "moe"), ("deepseek_v4", "moe")}
 # DeepSeek-V4's grouped output projection `o_a_proj` is an nn.Linear subclass with a block-diagonal forward:
 # PEFT wraps it as a plain Linear and the LoRA delta has the wrong shape (16 vs 32 at the group axis).
 LORA_EXCLUDE = {"deepseek_v4": ["o_a_proj"]}

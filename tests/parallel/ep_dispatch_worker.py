@@ -30,6 +30,8 @@ CLASSES = {
     "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5MoeExperts", dict(num_experts=EXPERTS, moe_intermediate_size=8)),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3Experts", dict(n_routed_experts=EXPERTS, moe_intermediate_size=8)),
     "deepseek_v4": ("deepseek_v4", "DeepseekV4Experts", dict(n_routed_experts=EXPERTS, intermediate_size=8)),
+    # Not in EXPERT_PARALLEL_MODEL_TYPES: an untested family qualifies by its experts module's interface alone.
+    "mixtral": ("mixtral", "MixtralExperts", dict(num_local_experts=EXPERTS, intermediate_size=8)),
 }
 
 

@@ -112,8 +112,9 @@ DeviceLimit = Annotated[str | None, Field(description="Prefect global concurrenc
 
 
 class ModelSourceFields(BaseModel):
-    """How the model is read: the chat template it renders with, whether its own code may run."""
+    """The model, the chat template it renders with, whether its own code may run."""
 
+    model_id: ModelId
     chat_template: ChatTemplateChoice = None
     trust_remote_code: TrustRemoteCode = False
 

@@ -35,8 +35,9 @@ single-process checkpoint. LoRA: PEFT adapts linear layers, not the 3-D expert w
 run adapts attention, router and shared experts while the experts stay frozen (still dispatched, since
 activations need their gradients); an adapter placed inside an experts module is refused.
 
-Supported: model types whose experts module has this interface (EXPERT_PARALLEL_MODEL_TYPES, each
-checked against the dense module by tests/parallel/test_parallel_ep.py); not combined with tp or sp.
+Supported: model types whose experts module has this interface, found from the model class itself
+(EXPERT_PARALLEL_MODEL_TYPES lists those checked against the dense module by tests/parallel/test_parallel_ep.py);
+not combined with tp or sp.
 """
 from __future__ import annotations
 
@@ -65,12 +66,35 @@ def ep_unsupported(sizes: dict[str, int]) -> list[str]:
             "parallelism is not supported; use sp_size=1 with ep_size > 1."]
 
 
-def ep_model_problem(model_type: str | None, ep_size: int) -> str | None:
-    """A model whose experts module EP cannot shard (checked from the config, before any process starts)."""
-    if ep_size == 1 or model_type in EXPERT_PARALLEL_MODEL_TYPES:
+_DISPATCH_ARGUMENTS = ["hidden_states", "top_k_index", "top_k_weights"]
+
+
+def _has_dispatchable_experts(config: Any) -> bool:
+    """Whether the model's experts modules have the interface EP shards, read from the model class itself:
+    built on the meta device (no memory, no weights), every experts module must hold 3-D weights and be
+    called experts(hidden_states, top_k_index, top_k_weights)."""
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    experts = [m for m in model.modules() if is_experts_module(m)]
+    return bool(experts) and all(
+        list(inspect.signature(type(m).forward).parameters)[1:4] == _DISPATCH_ARGUMENTS for m in experts)
+
+
+def ep_model_problem(config: Any, ep_size: int) -> str | None:
+    """A model whose experts module EP cannot shard (checked from the config, before any process starts).
+
+    The model types of EXPERT_PARALLEL_MODEL_TYPES are verified against the dense module by the tests; any
+    other qualifies when its experts modules have the same interface.
+    """
+    model_type = getattr(config, "model_type", None)
+    if ep_size == 1 or model_type in EXPERT_PARALLEL_MODEL_TYPES or _has_dispatchable_experts(config):
         return None
-    return (f"ep_size={ep_size}: expert parallelism is verified for model types {list(EXPERT_PARALLEL_MODEL_TYPES)} "
-            f"(experts as 3-D weights, called experts(hidden, top_k_index, top_k_weights)), not {model_type!r}; "
+    return (f"ep_size={ep_size}: model_type {model_type!r} has no experts module expert parallelism can shard "
+            "(experts as 3-D weights [experts, ...], called experts(hidden_states, top_k_index, top_k_weights)); "
             "use ep_size=1.")
 
 

@@ -94,7 +94,7 @@ def _model_problems(sizes: dict[str, int], model_config: Any) -> list[str]:
     elif sizes["ep_size"] > 1:
         from twinkle_core.parallel.expert import ep_model_problem
 
-        problems += [p for p in [ep_model_problem(getattr(config, "model_type", None), sizes["ep_size"])] if p]
+        problems += [p for p in [ep_model_problem(config, sizes["ep_size"])] if p]
     return problems
 
 

@@ -1,0 +1,71 @@
+"""Untested families on the Transformers backend: what the model declares decides, and remote code runs only
+when asked. A checkpoint whose architecture ships as code beside its weights is refused with the reason and
+the option; with trust_remote_code=True its code loads, and it trains."""
+import json
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from tiny_models import SAMPLE_ROWS, save_tiny_model
+from untested_models import save_untested_model
+from twinkle_core.families import UnsupportedModelError, family_for_model_dir
+from twinkle_core.models import TransformersModel
+
+CONFIG_CODE = '''from transformers import LlamaConfig
+
+
+class TinyRemoteConfig(LlamaConfig):
+    model_type = "tiny_remote"
+'''
+MODEL_CODE = '''from transformers import LlamaForCausalLM
+
+from .configuration_tiny_remote import TinyRemoteConfig
+
+
+class TinyRemoteForCausalLM(LlamaForCausalLM):
+    config_class = TinyRemoteConfig
+'''
+
+
+def _remote_code_checkpoint(directory):
+    """A Llama whose config names a model_type transformers lacks, with the code for it (as custom repos do)."""
+    save_tiny_model(directory, "llama")
+    (directory / "configuration_tiny_remote.py").write_text(CONFIG_CODE)
+    (directory / "modeling_tiny_remote.py").write_text(MODEL_CODE)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="tiny_remote", architectures=["TinyRemoteForCausalLM"], auto_map={
+        "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+        "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM"})
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_remote_code_is_refused_unless_trusted_and_then_trains(tmp_path):
+    path = _remote_code_checkpoint(tmp_path / "org" / "tiny-remote")
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'tiny_remote' is not built into transformers.*"
+                                                    r"modeling_tiny_remote.*--trust-remote-code"):
+        TransformersModel(str(path), mixed_precision="no")
+    model = TransformersModel(str(path), mixed_precision="no", trust_remote_code=True)
+    assert type(model.model).__name__ == "TinyRemoteForCausalLM" and model.family.name == "untested-tiny_remote"
+    model.add_adapter_to_model("default", LoraConfig(r=8, lora_alpha=16))
+    model.set_optimizer("AdamW", lr=2e-2)
+    losses = []
+    for _ in range(6):
+        model.forward_backward(inputs=SAMPLE_ROWS)
+        model.clip_grad_and_step(max_grad_norm=1.0)
+        losses.append(model.calculate_metric()["loss"])
+    assert losses[-1] < losses[0], losses
+
+
+def test_untested_family_capabilities_come_from_the_model(tmp_path):
+    path = save_untested_model("olmo2", tmp_path / "org" / "tiny-olmo2")
+    family = family_for_model_dir(path)
+    assert (family.name, family.tested, family.chat_template) == ("untested-olmo2", False, None)
+    model = TransformersModel(str(path), mixed_precision="no")
+    model.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8))  # all-linear: every projection
+    adapted = {name.split(".")[-1] for name, module in model.model.named_modules() if hasattr(module, "lora_A")}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    # The tokenizer's own template renders the chats (no family template to fall back on).
+    assert model.tokenizer.chat_template.startswith("{% for message in messages %}")
+    assert torch.isfinite(torch.tensor(model.forward_only(SAMPLE_ROWS)))

@@ -1,0 +1,29 @@
+"""Tiny models of architectures outside the tested families, as Transformers builds them.
+
+Each is its architecture's real layer kinds, shrunk (2 layers, hidden 32), with a tokenizer that ships its
+own chat template (ChatML), as instruct checkpoints do, or none (`chat_template=None`).
+
+    path = save_untested_model("gemma2", tmp_path / "org" / "tiny-gemma2")
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tiny_models import CHATML_TEMPLATE, make_tiny_causal_lm
+
+# model_type → what its tiny config sets beyond make_tiny_causal_lm's shapes.
+UNTESTED: dict[str, dict] = {
+    "gemma2": dict(head_dim=8, hidden_activation="gelu_pytorch_tanh", sliding_window=16),  # soft-capping, sandwich norms
+    "phi3": dict(),  # fused qkv_proj and gate_up_proj
+    "gpt2": dict(),  # learned positions, LayerNorm, GELU, Conv1D projections
+    "olmo2": dict(),  # RMSNorm after attention and MLP, q/k norms over the whole projection
+}
+
+
+def save_untested_model(model_type: str, directory: str | Path, chat_template: str | None = CHATML_TEMPLATE) -> Path:
+    directory = Path(directory)
+    model, tokenizer = make_tiny_causal_lm(model_type, **UNTESTED[model_type])
+    tokenizer.chat_template = chat_template
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

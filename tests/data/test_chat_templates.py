@@ -26,6 +26,7 @@ LLAMA3 = dict(extra_special_tokens=["<|start_header_id|>", "<|end_header_id|>", 
 FAMILY_TOKENIZERS = {
     "chatml": dict(extra_special_tokens=QWEN_TOKENS),
     "qwen2_5": dict(extra_special_tokens=QWEN_TOKENS),
+    "qwen3": dict(extra_special_tokens=QWEN_TOKENS),
     "qwen3_5": dict(extra_special_tokens=QWEN_TOKENS),
     "yi": dict(bos_token="<|startoftext|>", eos_token="<|im_end|>", pad_token="<unk>"),
     "deepseek_r1": dict(extra_special_tokens=DEEPSEEK_TOKENS + DEEPSEEK_TOOL_TOKENS, **DEEPSEEK),
@@ -129,6 +130,44 @@ GOLDEN = {
         '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
         "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
         "Sunny.<|im_end|>\n"
+    ),
+    ("qwen3", "chat"): (
+        "<|im_start|>system\nYou are Twinkle.<|im_end|>\n<|im_start|>user\nWho are you?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\nI am Twinkle.<|im_end|>\n"
+    ),
+    ("qwen3", "prompt"): (
+        "<|im_start|>system\nYou are Twinkle.<|im_end|>\n<|im_start|>user\nWho are you?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    ),
+    ("qwen3", "multi"): (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\n"
+        "Capital of France?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nParis.<|im_end|>\n"
+    ),
+    ("qwen3", "thinking"): (
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4.<|im_end|>\n<|im_start|>user\n"
+        "3+3?<|im_end|>\n<|im_start|>assistant\n<think>\nAdd again.\n</think>\n\n6.<|im_end|>\n"
+    ),
+    ("qwen3", "no_thinking"): (
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4.<|im_end|>\n<|im_start|>user\n"
+        "3+3?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n6.<|im_end|>\n"
+    ),
+    ("qwen3", "prompt_no_thinking"): (
+        "<|im_start|>system\nYou are Twinkle.<|im_end|>\n<|im_start|>user\nWho are you?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    ),
+    ("qwen3", "tools"): (
+        "<|im_start|>system\n# Tools\n\n"
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        '{"type": "function", "function": {"name": "get_weather", "description": "Get the weather", '
+        '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}\n</tools>\n\n'
+        "For each function call, return a json object with function name and arguments within <tool_call>"
+        "</tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        "<think>\n\n</think>\n\nSunny.<|im_end|>\n"
     ),
     ("qwen3_5", "chat"): (
         "<|im_start|>system\nYou are Twinkle.<|im_end|>\n<|im_start|>user\nWho are you?<|im_end|>\n"
@@ -360,8 +399,8 @@ def test_golden_rendering(name, case):
 
 
 def test_every_template_has_goldens_and_the_registry_lists_them():
-    names = ["chatml", "deepseek_r1", "deepseek_v4", "glm4", "internlm2", "llama3", "mistral", "qwen2_5", "qwen3_5",
-             "yi"]
+    names = ["chatml", "deepseek_r1", "deepseek_v4", "glm4", "internlm2", "llama3", "mistral", "qwen2_5", "qwen3",
+             "qwen3_5", "yi"]
     assert chat_template_names() == names == sorted(FAMILY_TOKENIZERS)
     assert {name for name, _ in GOLDEN} == set(names)
     assert all((name, "chat") in GOLDEN and (name, "prompt") in GOLDEN and (name, "multi") in GOLDEN for name in names)
@@ -412,6 +451,9 @@ TRAINED = {
     # The generation prompt ends with "<think>\n"; the first reply is history, so its reasoning is dropped.
     "qwen3_5": ["Hello!<|im_end|>", "Look it up.\n</think>\n\n" + QWEN3_5_CALL,
                 "Report it.\n</think>\n\nSunny.<|im_end|>"],
+    # The generation prompt opens no think block: a reply after the last query writes its own (when it reasons).
+    "qwen3": ["Hello!<|im_end|>", "<think>\nLook it up.\n</think>\n\n" + QWEN_CALL,
+              "<think>\nReport it.\n</think>\n\nSunny.<|im_end|>"],
     "yi": ["Hello!<|im_end|>", "Paris.<|im_end|>"],
     # After tool outputs there is no generation prompt to open the think block, so the reply writes all of it.
     "deepseek_r1": ["Hello!<｜end▁of▁sentence｜>", "Look it up.\n</think>\n\n" + R1_CALL,
@@ -447,6 +489,7 @@ def test_trained_tokens(name):
 
 @pytest.mark.parametrize(("name", "trained"), [
     ("qwen3_5", ["Hello!<|im_end|>", QWEN3_5_CALL, "Sunny.<|im_end|>"]),
+    ("qwen3", ["Hello!<|im_end|>", QWEN_CALL, "Sunny.<|im_end|>"]),
     ("deepseek_v4", ["Hello!<｜end▁of▁sentence｜>", DSML_CALL, "Sunny.<｜end▁of▁sentence｜>"]),
 ])
 def test_enable_thinking_false_trains_replies_without_reasoning(name, trained):
@@ -455,7 +498,7 @@ def test_enable_thinking_false_trains_replies_without_reasoning(name, trained):
     assert _runs(tokenizer, encoded) == trained
     # The non-thinking generation prompt already closes the (empty) think block, so it is not trained.
     before_last_reply = _runs(tokenizer, encoded, trained=False)[2]
-    assert before_last_reply.endswith("<think>\n\n</think>\n\n" if name == "qwen3_5" else "<｜Assistant｜></think>")
+    assert before_last_reply.endswith("<think>\n\n</think>\n\n" if name.startswith("qwen3") else "<｜Assistant｜></think>")
 
 
 @pytest.mark.parametrize("enable_thinking", [True, False])

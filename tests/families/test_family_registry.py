@@ -10,12 +10,13 @@ from twinkle_core.families import (
     families,
     family_for_model_dir,
     family_for_model_type,
+    get_family,
     register_family,
     render_families_table,
 )
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-SPEC_FAMILIES = {"qwen3_5", "qwen2_5", "deepseek_v4", "deepseek_r1", "llama3", "mistral", "yi", "glm4", "internlm2_5"}
+SPEC_FAMILIES = {"qwen3_5", "qwen3", "qwen2_5", "deepseek_v4", "deepseek_r1", "llama3", "mistral", "yi", "glm4", "internlm2_5"}
 
 
 def test_every_family_of_the_specification_is_registered():
@@ -32,6 +33,7 @@ def test_readme_table_is_generated_from_the_registry():
     ("hf://deepseek-ai/DeepSeek-R1", "deepseek_r1"), ("hf://meta-llama/Llama-3.3-70B-Instruct", "llama3"),
     ("ms://mistralai/Mistral-7B-v0.3", "mistral"), ("hf://01-ai/Yi-1.5-34B", "yi"),
     ("hf://THUDM/glm-4-9b-chat", "glm4"), ("ms://internlm/internlm2_5-7b-chat", "internlm2_5"),
+    ("hf://Qwen/Qwen3-8B", "qwen3"), ("ms://Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3"),
 ])
 def test_hub_ids_name_their_family_before_download(model_id, family):
     assert check_model_id(model_id).name == family
@@ -50,10 +52,17 @@ def test_model_type_lookup_and_its_error(tmp_path):
     assert family_for_model_type("llama").name == "llama3"
     assert family_for_model_type("llama", "hf://01-ai/Yi-1.5-9B-Chat").name == "yi"
     assert family_for_model_type("qwen3_5_moe_text").is_moe("qwen3_5_moe_text")
+    assert family_for_model_type("qwen3_moe", "hf://Qwen/Qwen3-30B-A3B").is_moe("qwen3_moe")
+    # A model_type outside the registry is an untested family: nothing but what its model declares.
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
-    with pytest.raises(UnsupportedModelError) as err:
+    untested = family_for_model_dir(tmp_path)
+    assert (untested.name, untested.tested, untested.chat_template) == ("untested-gpt2", False, None)
+    assert get_family("untested-gpt2") == untested
+    with pytest.raises(UnsupportedModelError, match=r"family 'qwen9' is not registered"):
+        get_family("qwen9")
+    (tmp_path / "config.json").write_text('{"architectures": ["X"]}')
+    with pytest.raises(UnsupportedModelError, match=r"has no model_type; supported families: .*Qwen 2.5 \(qwen2\)"):
         family_for_model_dir(tmp_path)
-    assert "'gpt2'" in str(err.value) and "Qwen 2.5 (qwen2)" in str(err.value) and "GLM-4" in str(err.value)
 
 
 def test_registry_rejects_duplicates_and_conflicting_defaults():

@@ -78,3 +78,22 @@ def test_a_model_without_a_chat_template_names_the_option(sft_workspace, tmp_pat
     examples = load_tokenized(data.path)
     assert len(examples) == 16
     assert AutoTokenizer.from_pretrained(model_dir).decode(examples[0]["input_ids"]).startswith("<|im_start|>user\n")
+
+
+def test_untested_architecture_trains_tenants_through_the_multi_lora_flow(sft_workspace):
+    from flows.multi_lora import MultiLoraConfig, TenantSpec, multi_lora
+
+    ws = sft_workspace
+    model_dir = save_untested_model("gemma2", ws["root"] / "org" / "tiny-gemma2")
+    tenants = [TenantSpec(name=name, dataset=str(ws["train"]), eval_dataset=str(ws["heldout"]), max_steps=6,
+                          batch_size=4, lr=2e-2, lora_r=4, lora_alpha=8, seed=seed)
+               for name, seed in (("alpha", 0), ("beta", 1))]
+    result = multi_lora(MultiLoraConfig(
+        model_id=str(model_dir), mixed_precision="no", max_length=64, eval_prompts=1, max_new_tokens=4,
+        registered_model_prefix="untested", output_dir=str(ws["root"] / "runs"), tenants=tenants))
+    assert set(result["results"]) == {"alpha", "beta"} and not result["failures"]
+    assert "family: untested (model_type 'gemma2'" in result["summary"]
+    client = MlflowClient(tracking_uri())
+    for name, run_id in result["tenant_runs"].items():
+        losses = [m.value for m in sorted(client.get_metric_history(run_id, "loss"), key=lambda m: m.step)]
+        assert len(losses) == 6 and losses[-1] < losses[0], (name, losses)

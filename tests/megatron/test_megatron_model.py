@@ -54,6 +54,9 @@ RUNS = {  # name: (model, layout, processes, extra job keys)
     "moe_etp2_export": ("moe", {"etp": 2}, 2, {"steps": 1, "lr": 0.0, "export": True}),
     "moe_tp2_sp_etp1_export": ("moe", {"tp": 2, "sequence_parallel": True, "etp": 1}, 2,
                                {"steps": 1, "lr": 0.0, "export": True}),
+    # Qwen3 MoE: softmax top-k routing, no shared expert, every layer sparse
+    "qwen3_moe": ("qwen3_moe", {}, 1, {}),
+    "qwen3_moe_ep2": ("qwen3_moe", {"ep": 2}, 2, {}),
     "mla": ("mla", {}, 1, {}),
     "mla_tp2": ("mla", {"tp": 2}, 2, {}),
     "full4": ("dense", {}, 1, {"steps": 4, "save_at": 2}),
@@ -76,6 +79,7 @@ def runs(tmp_path_factory) -> dict:
     models = {"dense": save_tiny_model(root / "dense", "llama", tie_word_embeddings=False),
               "dense8": save_tiny_model(root / "dense8", "llama", tie_word_embeddings=False, num_hidden_layers=8),
               "moe": save_tiny_family_model("deepseek_r1", root / "moe"),
+              "qwen3_moe": save_tiny_family_model("qwen3", root / "qwen3_moe", "moe"),
               "mla": save_tiny_model(root / "mla", "deepseek_v3", tie_word_embeddings=False, first_k_dense_replace=2,
                                      num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                                      qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_group=2, topk_group=1)}
@@ -134,6 +138,13 @@ def test_multi_latent_attention_under_tp2_matches_one_process(runs):
     assert_close(runs["mla_tp2"]["losses"], runs["mla"]["losses"])
     assert_close(runs["mla_tp2"]["grad_norms"], runs["mla"]["grad_norms"])
     assert_close([runs["mla_tp2"]["held_out"]["loss"]], [runs["mla"]["held_out"]["loss"]])
+
+
+def test_qwen3_moe_trains_and_matches_one_process_at_ep2(runs):
+    losses = runs["qwen3_moe"]["losses"]
+    assert losses[-1] < losses[0], losses
+    assert_close(runs["qwen3_moe_ep2"]["losses"], losses)
+    assert_close(runs["qwen3_moe_ep2"]["grad_norms"], runs["qwen3_moe"]["grad_norms"])
 
 
 @pytest.mark.parametrize("name", ["moe_etp2_export", "moe_tp2_sp_etp1_export"])

@@ -128,9 +128,9 @@ def test_lora_training_lowers_the_loss_and_the_adapter_round_trips(model_dirs, t
     assert torch.allclose(_logits(fresh, batch), expected, atol=1e-6)
 
 
-@pytest.mark.parametrize("family,variant", [("qwen2_5", "dense"), ("qwen3_5", "moe"), ("deepseek_r1", "moe"),
-                                            ("deepseek_v4", "moe")], ids=["qwen2_5", "qwen3_5-moe", "deepseek_r1",
-                                                                          "deepseek_v4"])
+@pytest.mark.parametrize("family,variant", [("qwen2_5", "dense"), ("qwen3", "moe"), ("qwen3_5", "moe"),
+                                            ("deepseek_r1", "moe"), ("deepseek_v4", "moe")],
+                         ids=["qwen2_5", "qwen3-moe", "qwen3_5-moe", "deepseek_r1", "deepseek_v4"])
 def test_full_training_lowers_the_loss(model_dirs, family, variant):
     model = _model(model_dirs[family, variant], lr=5e-3)
     losses = [m["loss"] for m in _train(model, 20)]

@@ -135,6 +135,9 @@ def _megatron_options(config, model_config) -> list[str]:
         ("dp_size", getattr(config, "dp_size", 1) > 1, "megatron's data parallelism is what tp_size x pp_size "
                                                       "leave; use 1"),
         ("fsdp_size", getattr(config, "fsdp_size", None) not in (None, 1), "FSDP belongs to the Transformers backend"),
+        ("router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None) not in (None, 0),
+         "megatron trains mixture-of-experts models here without a router load-balancing loss; use None or 0, "
+         "or backend='transformers'"),
     ])]
 
 

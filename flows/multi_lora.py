@@ -97,7 +97,7 @@ class MultiLoraConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFi
 
     def run_config(self, model: ModelRef, tenants: list[TenantRunConfig], checkpoint_dir: Path) -> MultiLoraRunConfig:
         return MultiLoraRunConfig(
-            model_id=self.model_id, model_path=model.path, **model.load_options(), checkpoint_dir=checkpoint_dir,
+            model_id=self.model_id, model_path=model.path, **model.ref_options(), checkpoint_dir=checkpoint_dir,
             backend=self.backend, micro_batch_size=self.micro_batch_size,
             mixed_precision=self.mixed_precision, parallel=self.parallel(), max_loras=self.max_loras or len(tenants),
             max_r=self.max_r or max(t.lora_r for t in tenants), mixed_batches=self.mixed_batches, tenants=tenants,
@@ -114,7 +114,8 @@ def multi_lora(config: MultiLoraConfig = MultiLoraConfig()) -> dict:
     log = get_run_logger()
     run_dir = Path(config.output_dir).resolve() / f"{time.strftime('%Y%m%d-%H%M%S')}-{flow_run.name or 'local'}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    hf_model = download_model(config.model_id, **config.model_options())  # tokenizing and evaluation use the HF checkpoint
+    # tokenizing and evaluation use the HF checkpoint
+    hf_model = download_model(config.model_id, **config.model_options())
     config.check_model(hf_model)  # model-dependent rules before anything else runs
     model = convert(hf_model, config.backend, config.tp_size, config.pp_size, config.timeout_minutes * 60)
     parent = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json", exclude={"tenants"}),
@@ -184,7 +185,8 @@ def _evaluate_and_register(config: MultiLoraConfig, name: str, model: ModelRef, 
 def _summary(config: MultiLoraConfig, results: dict, failures: dict, parent: str, family: str) -> str:
     lines = ["## Twinkle Flows: multi-tenant LoRA summary", "", f"model: {config.model_id} on {config.backend}, "
              f"{'mixed batches' if config.mixed_batches else 'tenants one after another'}, {config.mixed_precision}",
-             family_line(family), "", "| tenant | status | final train loss | held-out loss base → trained | registered |",
+             family_line(family), "",
+             "| tenant | status | final train loss | held-out loss base → trained | registered |",
              "|---|---|---|---|---|"]
     for tenant in config.tenants:
         if tenant.name in results:

@@ -84,7 +84,7 @@ class PretrainConfig(RunFields, ModelParallelFields, MachinesFields, ProcessFiel
         return self.registered_model_name or default_model_name(self.model_id, "pretrain-")
 
     def run_config(self, model: ModelRef, data: PackedRef, checkpoint_dir: Path, run_id: str) -> PretrainRunConfig:
-        given = dict(model_path=model.path, **model.load_options(), data_dir=data.path, checkpoint_dir=checkpoint_dir,
+        given = dict(model_path=model.path, **model.ref_options(), data_dir=data.path, checkpoint_dir=checkpoint_dir,
                      parallel=self.parallel(), mlflow_run_id=run_id, tracking_uri=tracking_uri())
         shared = (set(PretrainRunConfig.model_fields) & set(PretrainConfig.model_fields)) - set(given)
         return PretrainRunConfig(**self.model_dump(include=shared), **given)

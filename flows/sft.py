@@ -58,7 +58,7 @@ class SFTConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, 
         return self.registered_model_name or default_model_name(self.model_id)
 
     def run_config(self, model: ModelRef, train_data: str, checkpoint_dir: Path, run_id: str) -> TrainRunConfig:
-        given = dict(model_path=model.path, **model.load_options(), train_data=train_data, checkpoint_dir=checkpoint_dir,
+        given = dict(model_path=model.path, **model.ref_options(), train_data=train_data, checkpoint_dir=checkpoint_dir,
                      parallel=self.parallel(), objective=self.objective, mlflow_run_id=run_id,
                      tracking_uri=tracking_uri())
         shared = (set(TrainRunConfig.model_fields) & set(SFTConfig.model_fields)) - set(given)

@@ -76,7 +76,7 @@ def download_model(model_id: str, chat_template: str | None = None, trust_remote
     if trust_remote_code:
         log.warning("%s: trust_remote_code is on: the checkpoint's own modelling code runs in this run", model_id)
     return ModelRef(model_id=model_id, path=str(resolved.path), content_hash=resolved.content_hash,
-                    family=family.name, chat_template=chat_template, trust_remote_code=trust_remote_code)
+                    family=family.name, template_source=chat_template, trust_remote_code=trust_remote_code)
 
 
 @task(cache_policy=ID_CACHE, persist_result=True, retries=2, retry_delay_seconds=5,

@@ -32,7 +32,8 @@ def evaluate(model: ModelRef, checkpoint: CheckpointRef, heldout: TokenizedRef, 
     log = get_run_logger()
     run_dir = Path(run_dir)
     config = EvalRunConfig(
-        model_path=Path(model.path), **model.load_options(), checkpoints={"base": None, "trained": Path(checkpoint.path)},
+        model_path=Path(model.path), **model.ref_options(),
+        checkpoints={"base": None, "trained": Path(checkpoint.path)},
         heldout_data=Path(heldout.path), prompts=prompts, max_new_tokens=max_new_tokens,
         mixed_precision=mixed_precision, result_path=run_dir / "eval.json",
     )

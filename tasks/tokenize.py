@@ -16,7 +16,7 @@ def tokenize(dataset: DatasetRef, model: ModelRef, max_length: int, packing: boo
     result = tokenize_dataset(dataset.path, model.path, kind=kind, max_length=max_length, packing=packing,
                               max_bad_fraction=max_bad_fraction, enable_thinking=enable_thinking,
                               chat_template=get_family(model.family).chat_template,
-                              chosen_template=model.chat_template, trust_remote_code=model.trust_remote_code)
+                              chosen_template=model.template_source, trust_remote_code=model.trust_remote_code)
     log = get_run_logger()
     log.info("%s: %d rows, %d tokens (%d trained), %d bad rows skipped", dataset.dataset_id, result.num_rows,
              result.num_tokens, result.num_trained_tokens, result.num_bad)

@@ -13,7 +13,8 @@ from tiny_models import CHATML_TEMPLATE, make_tiny_causal_lm
 
 # model_type → what its tiny config sets beyond make_tiny_causal_lm's shapes.
 UNTESTED: dict[str, dict] = {
-    "gemma2": dict(head_dim=8, hidden_activation="gelu_pytorch_tanh", sliding_window=16),  # soft-capping, sandwich norms
+    # soft-capped attention and logits, sandwich norms, a sliding window every other layer
+    "gemma2": dict(head_dim=8, hidden_activation="gelu_pytorch_tanh", sliding_window=16),
     "phi3": dict(),  # fused qkv_proj and gate_up_proj
     "gpt2": dict(),  # learned positions, LayerNorm, GELU, Conv1D projections
     "olmo2": dict(),  # RMSNorm after attention and MLP, q/k norms over the whole projection

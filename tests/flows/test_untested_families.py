@@ -54,6 +54,14 @@ def test_untested_architecture_trains_through_the_sft_flow(sft_workspace, model_
         megatron_family(model_dir)
 
 
+def test_megatron_refuses_an_untested_architecture_before_anything_runs(sft_workspace):
+    ws = sft_workspace
+    model_dir = save_untested_model("olmo2", ws["root"] / "org" / "tiny-olmo2")
+    with pytest.raises(RunConfigError, match=r"backend='megatron': .*post_feedforward_layernorm"):
+        sft(_config(ws, model_dir, backend="megatron", mixed_precision="no"))
+    assert not (ws["root"] / "cache" / "tokenized").exists()  # failed before tokenizing
+
+
 def test_a_model_without_a_chat_template_names_the_option(sft_workspace, tmp_path):
     ws = sft_workspace
     model_dir = save_untested_model("olmo2", ws["root"] / "org" / "bare-olmo2", chat_template=None)
@@ -72,9 +80,9 @@ def test_a_model_without_a_chat_template_names_the_option(sft_workspace, tmp_pat
     from twinkle_core.data import tokenize_dataset
 
     model = ModelRef(model_id=str(model_dir), path=str(model_dir), content_hash="x", family="untested-olmo2",
-                     chat_template=get_chat_template("chatml"))
+                     template_source=get_chat_template("chatml"))
     config.check_model(model)  # passes now
-    data = tokenize_dataset(ws["train"], model_dir, chat_template=None, chosen_template=model.chat_template)
+    data = tokenize_dataset(ws["train"], model_dir, chat_template=None, chosen_template=model.template_source)
     examples = load_tokenized(data.path)
     assert len(examples) == 16
     assert AutoTokenizer.from_pretrained(model_dir).decode(examples[0]["input_ids"]).startswith("<|im_start|>user\n")

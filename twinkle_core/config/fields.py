@@ -123,12 +123,17 @@ class ModelLoadFields(BaseModel):
     """What loading a downloaded model needs: its family, the template the run chose, remote code or not."""
 
     family: str
-    chat_template: str | None = Field(None, description="Jinja source the run chose (None: the tokenizer's own, "
-                                                         "else the family's).")
+    template_source: str | None = Field(None, description="Jinja source of the chat template the run chose (None: "
+                                                           "the tokenizer's own, else the family's).")
     trust_remote_code: TrustRemoteCode = False
 
     def load_options(self) -> dict:
         """The keyword arguments TransformersModel takes for these."""
+        return {"family": self.family, "chat_template": self.template_source,
+                "trust_remote_code": self.trust_remote_code}
+
+    def ref_options(self) -> dict:
+        """These fields as they are, for another config of this group."""
         return {name: getattr(self, name) for name in ModelLoadFields.model_fields}
 
 

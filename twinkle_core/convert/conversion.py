@@ -6,7 +6,8 @@ Each rank builds only its part of the model (`build_gpt_model` at the requested 
 the source (slices of the HF safetensors, or the dist checkpoint resharded to this layout), and writes its
 part. What may be converted is decided before anything is built: a tested family not marked Megatron-capable
 is refused with the registry's reason; any other model converts when its config and tensor names fit the
-bridge's table (else the refusal names the config key or tensors that do not). `python -m twinkle_core.convert` is the command-line entry.
+bridge's table (else the refusal names the config key or tensors that do not). `python -m twinkle_core.convert`
+is the command-line entry.
 """
 from __future__ import annotations
 

@@ -111,14 +111,16 @@ def read_chat_template(spec: str) -> str:
     path = Path(spec).expanduser()
     if path.is_file():
         return path.read_text(encoding="utf-8")
-    raise ChatTemplateError(f"chat_template={spec!r} is neither one of our templates ({', '.join(chat_template_names())}) "
-                            "nor an existing Jinja file.")
+    names = ", ".join(chat_template_names())
+    raise ChatTemplateError(f"chat_template={spec!r} is neither one of our templates ({names}) nor an existing "
+                            "Jinja file.")
 
 
 def no_template_message(owner: str) -> str:
+    names = ", ".join(chat_template_names())
     return (f"tokenizer {owner} has no chat template, and its model family is not in the tested list, so there is "
-            f"no family template to fall back on. Pass --chat-template NAME (one of: {', '.join(chat_template_names())}) "
-            "or --chat-template path/to/template.jinja.")
+            f"no family template to fall back on. Pass --chat-template NAME (one of: {names}) or --chat-template "
+            "path/to/template.jinja.")
 
 
 def use_chat_template(tokenizer, chosen: str | None = None, family_template: str | None = None,

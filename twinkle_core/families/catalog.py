@@ -18,9 +18,10 @@ register_family(ModelFamily(
 register_family(ModelFamily(
     name="qwen3", title="Qwen 3", model_ids="Qwen/Qwen3-0.6B ~ Qwen/Qwen3-235B-A22B",
     model_types=("qwen3", "qwen3_moe"), moe_model_types=("qwen3_moe",),
-    id_pattern=r"^qwen/qwen3-(?!vl|embedding|reranker)", chat_template="qwen3", end_of_turn=CHATML_END,
+    id_pattern=r"^qwen/qwen3-(?!vl|embedding|reranker|next|coder|omni)", chat_template="qwen3", end_of_turn=CHATML_END,
     thinking=True, megatron=True,
-    notes="dense (RMSNorm on each q/k head) and MoE (softmax top-k router, no shared expert); thinking mode",
+    notes="dense (RMSNorm on each q/k head) and MoE (softmax top-k router, no shared expert); thinking mode. "
+          "The 2507 Instruct/Thinking checkpoints ship their own templates, which are kept",
 ))
 register_family(ModelFamily(
     name="qwen2_5", title="Qwen 2.5", model_ids="Qwen/Qwen2.5-0.5B ~ Qwen/Qwen2.5-72B", model_types=("qwen2",),

@@ -76,18 +76,19 @@ def _llama_like(hf_config) -> Architecture:
     """The table entry of a model_type the table does not list, when its config is a Llama decoder's."""
     model_type = getattr(hf_config, "model_type", None)
     values = hf_config.to_dict()
-    extra = {k: v for k, v in values.items() if k not in _LLAMA_KEYS | _generic_keys() and v not in (None, False, 0,
-                                                                                                     0.0, [], {})}
+    known = _LLAMA_KEYS | _generic_keys()
+    extra = {k: v for k, v in sorted(values.items()) if k not in known and v not in (None, False, 0, [], {})}
     if extra:
-        key, value = next(iter(sorted(extra.items())))
+        (key, value), *more = extra.items()
+        others = f" (nor do {[k for k, _ in more[:5]]})" if more else ""
         raise UnsupportedArchitectureError(
             f"model_type={model_type!r} is not in the bridge's table ({', '.join(sorted(ARCHITECTURES))}) and its "
-            f"config key {key}={value!r} has no place in a Llama-style megatron-core GPTModel"
-            + (f" (nor do {sorted(extra)[1:6]})" if len(extra) > 1 else "") + "; train it with backend='transformers'.")
+            f"config key {key}={value!r} has no place in a Llama-style megatron-core GPTModel{others}; train it "
+            "with backend='transformers'.")
     kinds = set(values.get("layer_types") or ["full_attention"])
     if kinds != {"full_attention"}:
-        raise UnsupportedArchitectureError(f"model_type={model_type!r}: config key layer_types={sorted(kinds)} (megatron's "
-                                           "GPTModel here has full attention in every layer).")
+        raise UnsupportedArchitectureError(f"model_type={model_type!r}: config key layer_types={sorted(kinds)} "
+                                           "(megatron's GPTModel here has full attention in every layer).")
     return Architecture(model_type, qkv_bias="attention_bias")
 
 
@@ -157,7 +158,8 @@ def _moe_settings(hf_config, arch: Architecture) -> dict:
 
 def _qwen_moe_layers(hf_config) -> list[int]:
     """Qwen2/Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th."""
-    step, dense = getattr(hf_config, "decoder_sparse_step", 1) or 1, set(getattr(hf_config, "mlp_only_layers", []) or [])
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(hf_config, "mlp_only_layers", []) or [])
     return [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
 
 

@@ -41,9 +41,22 @@ def _common_problems(config) -> list[str]:
     return problems
 
 
+def _model_problems(config, model) -> list[str]:
+    """What the downloaded model itself decides: a chat template for chat rows, a table entry for megatron."""
+    if model is None:
+        return []
+    problems = []
+    if config.backend == "megatron" and model.backend == "transformers":
+        from twinkle_core.convert import megatron_family
+
+        problems += [f"backend='megatron': {p}" for p in raised_problems(megatron_family, model.path)]
+    return problems + _template_problems(config, model)
+
+
 def _template_problems(config, model) -> list[str]:
     """Chat rows need a template: the run's, the tokenizer's own, or a tested family's."""
-    if model is None or model.chat_template or not get_row_format(get_objective(config.objective).row_kind).needs_chat_template:
+    row_kind = get_row_format(get_objective(config.objective).row_kind)
+    if model.template_source or not row_kind.needs_chat_template:
         return []
     if get_family(model.family).chat_template:
         return []
@@ -56,7 +69,7 @@ def _template_problems(config, model) -> list[str]:
 def run_problems(config, model_config: Any = None, model: Any = None) -> list[str]:
     """Every problem of `config` (and of its model, when `model_config` and the downloaded `model` are given);
     empty when it can run."""
-    problems = _common_problems(config) + _template_problems(config, model)
+    problems = _common_problems(config) + _model_problems(config, model)
     for rule in get_backend(config.backend).rules:
         problems += rule(config, model_config)
     problems += config.problems(model_config)

@@ -9,7 +9,7 @@ from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from prefect.context import TaskRunContext
 
 from tasks.refs import DatasetRef, ModelRef
-from twinkle_core.families import family_for_model_dir
+from twinkle_core.families import UnsupportedModelError, family_for_model_dir
 from twinkle_core.hashing import hash_json
 from twinkle_core.hub import HubError, HubUnreachable, resolve_dataset, resolve_model
 from twinkle_core.paths import cache_root
@@ -48,7 +48,7 @@ def _is_transient(task, task_run, state) -> bool:
         state.result()
     except HubUnreachable:
         return True
-    except HubError:
+    except (HubError, UnsupportedModelError):  # the id or the checkpoint needs fixing, not another try
         return False
     except Exception:  # noqa: BLE001 - I/O errors outside the resolver (disk, network) are worth a retry
         return True

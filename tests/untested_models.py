@@ -7,9 +7,10 @@ own chat template (ChatML), as instruct checkpoints do, or none (`chat_template=
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from tiny_models import CHATML_TEMPLATE, make_tiny_causal_lm
+from tiny_models import CHATML_TEMPLATE, make_tiny_causal_lm, save_tiny_model
 
 # model_type → what its tiny config sets beyond make_tiny_causal_lm's shapes.
 UNTESTED: dict[str, dict] = {
@@ -27,4 +28,33 @@ def save_untested_model(model_type: str, directory: str | Path, chat_template: s
     tokenizer.chat_template = chat_template
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    return directory
+
+
+CONFIG_CODE = '''from transformers import LlamaConfig
+
+
+class TinyRemoteConfig(LlamaConfig):
+    model_type = "tiny_remote"
+'''
+MODEL_CODE = '''from transformers import LlamaForCausalLM
+
+from .configuration_tiny_remote import TinyRemoteConfig
+
+
+class TinyRemoteForCausalLM(LlamaForCausalLM):
+    config_class = TinyRemoteConfig
+'''
+
+
+def save_remote_code_model(directory: Path) -> Path:
+    """A Llama whose config names a model_type transformers lacks, with the code for it (as custom repos do)."""
+    save_tiny_model(directory, "llama")
+    (directory / "configuration_tiny_remote.py").write_text(CONFIG_CODE)
+    (directory / "modeling_tiny_remote.py").write_text(MODEL_CODE)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="tiny_remote", architectures=["TinyRemoteForCausalLM"], auto_map={
+        "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+        "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM"})
+    (directory / "config.json").write_text(json.dumps(config))
     return directory

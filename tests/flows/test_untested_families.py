@@ -7,15 +7,17 @@ family is untested, and megatron-core refuses what its table cannot express, nam
 A model with no chat template fails before training, naming --chat-template; the option takes one of our
 templates or a Jinja file.
 """
+import time
+
 import pytest
 from mlflow import MlflowClient
 from transformers import AutoTokenizer
 
 from flows.sft import SFTConfig, sft
-from untested_models import UNTESTED, save_untested_model
+from untested_models import UNTESTED, save_remote_code_model, save_untested_model
 from twinkle_core.convert import NotMegatronCapableError, megatron_family
 from twinkle_core.data import get_chat_template, load_tokenized
-from twinkle_core.families import get_family
+from twinkle_core.families import UnsupportedModelError, get_family
 from twinkle_core.tracking import tracking_uri
 from twinkle_core.train.checks import RunConfigError
 from test_families_sft import _probe_loss
@@ -60,6 +62,15 @@ def test_megatron_refuses_an_untested_architecture_before_anything_runs(sft_work
     with pytest.raises(RunConfigError, match=r"backend='megatron': .*post_feedforward_layernorm"):
         sft(_config(ws, model_dir, backend="megatron", mixed_precision="no"))
     assert not (ws["root"] / "cache" / "tokenized").exists()  # failed before tokenizing
+
+
+def test_remote_code_fails_at_download_naming_the_option_without_retrying(sft_workspace):
+    ws = sft_workspace
+    model_dir = save_remote_code_model(ws["root"] / "org" / "tiny-remote")
+    started = time.monotonic()
+    with pytest.raises(UnsupportedModelError, match=r"ships its own modelling code.*--trust-remote-code"):
+        sft(_config(ws, model_dir))
+    assert time.monotonic() - started < 8  # no retries (each waits 5 s): the checkpoint, not the hub, is at fault
 
 
 def test_a_model_without_a_chat_template_names_the_option(sft_workspace, tmp_path):

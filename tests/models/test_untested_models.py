@@ -1,48 +1,18 @@
 """Untested families on the Transformers backend: what the model declares decides, and remote code runs only
 when asked. A checkpoint whose architecture ships as code beside its weights is refused with the reason and
 the option; with trust_remote_code=True its code loads, and it trains."""
-import json
-
 import pytest
 import torch
 from peft import LoraConfig
 
-from tiny_models import SAMPLE_ROWS, save_tiny_model
-from untested_models import save_untested_model
+from tiny_models import SAMPLE_ROWS
+from untested_models import save_remote_code_model, save_untested_model
 from twinkle_core.families import UnsupportedModelError, family_for_model_dir
 from twinkle_core.models import TransformersModel
 
-CONFIG_CODE = '''from transformers import LlamaConfig
-
-
-class TinyRemoteConfig(LlamaConfig):
-    model_type = "tiny_remote"
-'''
-MODEL_CODE = '''from transformers import LlamaForCausalLM
-
-from .configuration_tiny_remote import TinyRemoteConfig
-
-
-class TinyRemoteForCausalLM(LlamaForCausalLM):
-    config_class = TinyRemoteConfig
-'''
-
-
-def _remote_code_checkpoint(directory):
-    """A Llama whose config names a model_type transformers lacks, with the code for it (as custom repos do)."""
-    save_tiny_model(directory, "llama")
-    (directory / "configuration_tiny_remote.py").write_text(CONFIG_CODE)
-    (directory / "modeling_tiny_remote.py").write_text(MODEL_CODE)
-    config = json.loads((directory / "config.json").read_text())
-    config.update(model_type="tiny_remote", architectures=["TinyRemoteForCausalLM"], auto_map={
-        "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
-        "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM"})
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
 
 def test_remote_code_is_refused_unless_trusted_and_then_trains(tmp_path):
-    path = _remote_code_checkpoint(tmp_path / "org" / "tiny-remote")
+    path = save_remote_code_model(tmp_path / "org" / "tiny-remote")
     with pytest.raises(UnsupportedModelError, match=r"model_type 'tiny_remote' is not built into transformers.*"
                                                     r"modeling_tiny_remote.*--trust-remote-code"):
         TransformersModel(str(path), mixed_precision="no")
@@ -69,3 +39,18 @@ def test_untested_family_capabilities_come_from_the_model(tmp_path):
     # The tokenizer's own template renders the chats (no family template to fall back on).
     assert model.tokenizer.chat_template.startswith("{% for message in messages %}")
     assert torch.isfinite(torch.tensor(model.forward_only(SAMPLE_ROWS)))
+
+
+def test_untested_layouts_are_decided_by_the_model_config(tmp_path):
+    from transformers import AutoConfig
+
+    from twinkle_core.parallel import ParallelConfig, check_parallel_config
+
+    configs = {t: AutoConfig.from_pretrained(save_untested_model(t, tmp_path / t)) for t in ("olmo2", "gpt2", "gemma2")}
+    tp2, sp2 = ParallelConfig(nproc_per_node=2, tp_size=2), ParallelConfig(nproc_per_node=2, sp_size=2)
+    assert check_parallel_config(tp2, configs["olmo2"])["tp_size"] == 2  # its base_model_tp_plan
+    assert check_parallel_config(sp2, configs["olmo2"])["sp_size"] == 2  # softmax attention, no window
+    with pytest.raises(ValueError, match=r"tp_size=2: model_type 'gpt2' has no tensor-parallel plan"):
+        check_parallel_config(tp2, configs["gpt2"])
+    with pytest.raises(ValueError, match=r"sp_size=2: model_type 'gemma2' .*sliding"):
+        check_parallel_config(sp2, configs["gemma2"])

@@ -19,6 +19,9 @@ UNTESTED: dict[str, dict] = {
     "phi3": dict(),  # fused qkv_proj and gate_up_proj
     "gpt2": dict(),  # learned positions, LayerNorm, GELU, Conv1D projections
     "olmo2": dict(),  # RMSNorm after attention and MLP, q/k norms over the whole projection
+    # Qwen2-MoE: qkv bias, softmax top-k experts plus a sigmoid-gated shared expert (megatron expresses it)
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=32),
 }
 
 

@@ -2,7 +2,8 @@
 
 Each family's tiny model (tests/family_models.py); those with a single key/value head are rebuilt with 2,
 so that tp=2 can split their query groups (megatron splits whole groups; the real checkpoints have 8).
-Plus a Qwen3 model with tied embeddings (as Qwen3-0.6B) and a Llama with YaRN rope. DeepSeek R1 is the V3
+Plus a Qwen3 model with tied embeddings (as Qwen3-0.6B), a Llama with YaRN rope, and Qwen2-MoE (no registry
+family: an untested architecture the table expresses). DeepSeek R1 is the V3
 architecture: multi-latent attention, a dense first layer, then routed + shared experts; Qwen3 MoE routes
 with a softmax top-k and has no shared expert.
 One worker run per layout checks all of them: tp2 first (it also saves dist checkpoints), then tp1, pp2
@@ -34,10 +35,10 @@ RUN_TIMEOUT_S = 300
 MODELS = {"llama3": ("llama3", "dense"), "qwen2_5": ("qwen2_5", "dense"), "mistral": ("mistral", "dense"),
           "yi": ("yi", "dense"), "internlm2_5": ("internlm2_5", "dense"), "deepseek_r1": ("deepseek_r1", "moe"),
           "qwen3": ("qwen3", "dense"), "qwen3_moe": ("qwen3", "moe"), "qwen3_tied": ("qwen3", None),
-          "llama_yarn": ("llama3", None)}
+          "llama_yarn": ("llama3", None), "qwen2_moe": ("untested-qwen2_moe", None)}
 LAYOUTS = {"tp2": {"tp": 2}, "tp1": {}, "pp2": {"pp": 2}, "ep2": {"ep": 2}}
 NPROC = {"tp2": 2, "tp1": 1, "pp2": 2, "ep2": 2}
-ONLY = {"ep2": ["deepseek_r1", "qwen3_moe"]}  # expert parallelism needs experts
+ONLY = {"ep2": ["deepseek_r1", "qwen3_moe", "qwen2_moe"]}  # expert parallelism needs experts
 
 
 def layout_models(layout: str) -> list[str]:
@@ -89,6 +90,23 @@ def _llama_yarn(dst: Path, tokenizer_src: Path) -> Path:
     return dst
 
 
+def _qwen2_moe(dst: Path, tokenizer_src: Path) -> Path:
+    """Qwen1.5/Qwen2-MoE, a family outside the registry that the table expresses: qkv bias, a dense first layer
+    (mlp_only_layers), softmax top-k without renormalisation, a sigmoid-gated shared expert."""
+    vocab = AutoConfig.from_pretrained(tokenizer_src).vocab_size
+    config = AutoConfig.for_model("qwen2_moe", vocab_size=vocab, hidden_size=64, intermediate_size=96,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                                  num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[0],
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                                  use_sliding_window=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(dst)
+    copy_hf_side_files(tokenizer_src, dst)
+    config.save_pretrained(dst)
+    return dst
+
+
 def build_models(root: Path) -> dict[str, Path]:
     models = {}
     for name, (family, variant) in MODELS.items():
@@ -102,6 +120,7 @@ def build_models(root: Path) -> dict[str, Path]:
         models[name] = _with_two_kv_heads(raw, root / "hf" / name) if single_kv_head else raw
     models["qwen3_tied"] = _qwen3_tied(root / "hf" / "qwen3_tied", models["qwen2_5"])
     models["llama_yarn"] = _llama_yarn(root / "hf" / "llama_yarn", models["llama3"])
+    models["qwen2_moe"] = _qwen2_moe(root / "hf" / "qwen2_moe", models["qwen2_5"])
     return models
 
 

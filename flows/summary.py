@@ -27,8 +27,7 @@ def family_line(family_name: str) -> str:
     family = get_family(family_name)
     if family.tested:
         return f"family: {family.title}"
-    return (f"family: untested (model_type {family.model_types[0]!r} is not in the tested list; trained with what "
-            "the model declares: its chat template, all-linear LoRA targets, its own tp plan and experts)")
+    return f"family: untested ({family.notes})"
 
 
 def render_summary(config: Any, prompts: list[list[dict]], reports: dict, registration: dict, run_id: str,

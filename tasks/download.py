@@ -70,9 +70,7 @@ def download_model(model_id: str, chat_template: str | None = None, trust_remote
     log = get_run_logger()
     log.info("%s: %s family, %s", model_id, family.title, resolved.path)
     if not family.tested:
-        log.warning("%s: model_type %r is not in the tested families; it trains on the Transformers backend with "
-                    "what the model declares (its chat template, all-linear LoRA, its tp plan and experts)",
-                    model_id, family.model_types[0])
+        log.warning("%s: %s", model_id, family.notes)
     if trust_remote_code:
         log.warning("%s: trust_remote_code is on: the checkpoint's own modelling code runs in this run", model_id)
     return ModelRef(model_id=model_id, path=str(resolved.path), content_hash=resolved.content_hash,

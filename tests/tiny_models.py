@@ -75,6 +75,16 @@ def make_tiny_causal_lm(model_type: str = "llama", vocab_size: int | None = None
     return model, tokenizer
 
 
+def randomize_norms(model) -> None:
+    """Norm weights drawn from [0.5, 1.5] (init is ones), so a norm mapped or applied wrongly shows in the logits."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+
+
 def save_tiny_model(directory: str | Path, model_type: str = "llama", **overrides) -> Path:
     """Write a tiny model + tokenizer as a normal Hugging Face directory and return it."""
     directory = Path(directory)

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from family_models import save_tiny_family_model
+from tiny_models import randomize_norms
 from twinkle_core.convert.megatron_checkpoint import copy_hf_side_files
 from twinkle_core.hub.internlm2 import convert_internlm2_to_llama
 from twinkle_core.launch import run_streaming, torchrun_command
@@ -41,40 +42,42 @@ NPROC = {"tp2": 2, "tp1": 1, "pp2": 2, "ep2": 2}
 ONLY = {"ep2": ["deepseek_r1", "qwen3_moe", "qwen2_moe"]}  # expert parallelism needs experts
 
 
-def layout_models(layout: str) -> list[str]:
-    return ONLY.get(layout, list(MODELS))
 DIST_SAVED_AT = "tp2"
 
 
-def _with_two_kv_heads(src: Path, dst: Path) -> Path:
-    """The same architecture with 2 key/value heads (fresh weights, fixed seed), config and tokenizer kept."""
-    config = AutoConfig.from_pretrained(src)
-    config.num_key_value_heads = 2
+def layout_models(layout: str) -> list[str]:
+    return ONLY.get(layout, list(MODELS))
+
+
+def _save_fresh(config, dst: Path, side_files_from: Path, norms: bool = False) -> Path:
+    """A model of `config` with fresh weights (fixed seed), beside another checkpoint's tokenizer and generation
+    config; `norms` draws its norm weights at random."""
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(dst)
-    copy_hf_side_files(src, dst)
+    model = AutoModelForCausalLM.from_config(config)
+    if norms:
+        randomize_norms(model)
+    model.save_pretrained(dst)
+    copy_hf_side_files(side_files_from, dst)
     config.save_pretrained(dst)
     return dst
 
 
+def _with_two_kv_heads(src: Path, dst: Path) -> Path:
+    """The same architecture with 2 key/value heads, config and tokenizer kept."""
+    config = AutoConfig.from_pretrained(src)
+    config.num_key_value_heads = 2
+    return _save_fresh(config, dst, src)
+
+
 def _qwen3_tied(dst: Path, tokenizer_src: Path) -> Path:
-    """Qwen3-0.6B-like: RMSNorm on each q/k head, tied embeddings, GQA 2:1, head_dim ≠ hidden/heads."""
-    tokenizer_config = AutoConfig.from_pretrained(tokenizer_src)
-    config = AutoConfig.for_model("qwen3", vocab_size=tokenizer_config.vocab_size, hidden_size=64,
-                                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    """Qwen3-0.6B-like: RMSNorm on each q/k head (random, so a q/k norm mapped wrongly shows in the logits),
+    tied embeddings, GQA 2:1, head_dim ≠ hidden/heads."""
+    config = AutoConfig.for_model("qwen3", vocab_size=AutoConfig.from_pretrained(tokenizer_src).vocab_size,
+                                  hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-6,
                                   max_position_embeddings=4096, rope_parameters={"rope_type": "default",
                                                                                  "rope_theta": 1_000_000.0})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # random norms, so a q/k norm mapped wrongly shows in the logits
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    model.save_pretrained(dst)
-    copy_hf_side_files(tokenizer_src, dst)
-    model.config.save_pretrained(dst)
-    return dst
+    return _save_fresh(config, dst, tokenizer_src, norms=True)
 
 
 def _llama_yarn(dst: Path, tokenizer_src: Path) -> Path:
@@ -83,11 +86,7 @@ def _llama_yarn(dst: Path, tokenizer_src: Path) -> Path:
     config = AutoConfig.from_pretrained(tokenizer_src)
     config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                               "original_max_position_embeddings": 64}
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(dst)
-    copy_hf_side_files(tokenizer_src, dst)
-    config.save_pretrained(dst)
-    return dst
+    return _save_fresh(config, dst, tokenizer_src)
 
 
 def _qwen2_moe(dst: Path, tokenizer_src: Path) -> Path:
@@ -100,11 +99,7 @@ def _qwen2_moe(dst: Path, tokenizer_src: Path) -> Path:
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=4096,
                                   use_sliding_window=False)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(dst)
-    copy_hf_side_files(tokenizer_src, dst)
-    config.save_pretrained(dst)
-    return dst
+    return _save_fresh(config, dst, tokenizer_src)
 
 
 def build_models(root: Path) -> dict[str, Path]:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from family_models import save_tiny_family_model
-from tiny_models import make_tiny_tokenizer
+from tiny_models import make_tiny_tokenizer, randomize_norms
 from flows.convert import ConvertConfig, convert_checkpoint, main
 from twinkle_core.convert import NotMegatronCapableError
 
@@ -33,10 +33,7 @@ def tiny_qwen3(directory: Path) -> Path:
                                   rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
+    randomize_norms(model)
     model.save_pretrained(directory)
     make_tiny_tokenizer(chat_template=None).save_pretrained(directory)
     return directory

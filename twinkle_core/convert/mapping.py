@@ -146,8 +146,11 @@ def mapping_for(hf_config) -> MappingTable:
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     attention = _multi_latent_attention(hf_config) if arch.mla else _attention(arch, bool(qkv_bias))
     # MoE models keep dense MLPs in their first layers: both kinds of rules, each layer uses its own.
-    experts = {"deepseek": _mixture_of_experts, "qwen": lambda: _qwen_mixture_of_experts(hf_config)}
-    mlp = _DENSE_MLP + (experts[arch.moe]() if arch.moe else ())
+    if arch.moe == "qwen":
+        experts = _qwen_mixture_of_experts(hf_config)
+    else:
+        experts = _mixture_of_experts() if arch.moe else ()
+    mlp = _DENSE_MLP + experts
     return MappingTable(model=(_EMBEDDING, _FINAL_NORM, _TIED_OUTPUT if tied else _OUTPUT),
                         layer=_NORMS + attention + mlp)
 

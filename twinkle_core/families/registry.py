@@ -88,7 +88,8 @@ def untested_family(model_type: str) -> ModelFamily:
     return ModelFamily(
         name=UNTESTED_PREFIX + model_type, title=f"untested ({model_type})", model_types=(model_type,),
         model_ids="", id_pattern=r"(?!)", chat_template=None, end_of_turn=(), tested=False,
-        notes="not in the tested list: trained through the Transformers backend with what its model declares",
+        notes=f"model_type {model_type!r} is not in the tested list; it trains on the Transformers backend with what "
+              "the model declares: its own chat template, all-linear LoRA targets, its tp plan and experts",
     )
 
 

@@ -99,12 +99,11 @@ class TransformersModel:
         self.precision = resolve_precision(mixed_precision, self.device.type)
         self.model_id = model_id
         self.path = resolve_model(model_id).path
-        # Unsupported model_types fail here; `family` settles checkpoints that share an architecture (Yi/Llama).
+        # A model_type outside the registry is an untested family (remote code fails here unless trusted);
+        # `family` settles checkpoints that share an architecture (Yi/Llama).
         self.family = get_family(family) if family else family_for_model_dir(self.path, model_id, trust_remote_code)
         if not self.family.tested:
-            logger.warning("%s: model_type %r is not in the tested families; training it with what its model "
-                           "declares (its own chat template, all-linear LoRA targets)", model_id,
-                           self.family.model_types[0])
+            logger.warning("%s: %s", model_id, self.family.notes)
         self.max_length = max_length
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=trust_remote_code)
         # The run's template, else the tokenizer's own, else the family's; generation needs none to exist.

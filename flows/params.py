@@ -54,5 +54,6 @@ class TrainingFlowConfig(ModelSourceFields):
 
 def default_model_name(model_id: str, infix: str = "") -> str:
     """The registered model name a flow derives from a model id, e.g. twinkle-SmolLM2-135M-Instruct.Q4_1."""
-    stem = Path(model_id.split("://")[-1].split("@")[0].rstrip("/")).name
+    path = Path(model_id.split("://")[-1].split("@")[0].rstrip("/"))
+    stem = path.parent.name if path.suffix == ".zip" else path.name  # a zipped model: its package's name
     return f"twinkle-{infix}" + re.sub(r"[^A-Za-z0-9_.-]+", "-", stem.removesuffix(".gguf"))

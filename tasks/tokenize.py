@@ -11,12 +11,15 @@ from twinkle_core.families import get_family
 
 @task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True)
 def tokenize(dataset: DatasetRef, model: ModelRef, max_length: int, packing: bool = False,
-             max_bad_fraction: float = 0.01, enable_thinking: bool = True, kind: str = "chat") -> TokenizedRef:
-    """Tokenise `dataset` for `model`; inputs carry content hashes, so an edited file re-runs this."""
+             max_bad_fraction: float = 0.01, enable_thinking: bool = True, kind: str = "chat",
+             encode_options: dict | None = None) -> TokenizedRef:
+    """Tokenise `dataset` for `model`; inputs carry content hashes, so an edited file re-runs this.
+    `encode_options` go to the row kind's encoder (embedding pairs: the query prompt, EOS or not)."""
     result = tokenize_dataset(dataset.path, model.path, kind=kind, max_length=max_length, packing=packing,
                               max_bad_fraction=max_bad_fraction, enable_thinking=enable_thinking,
                               chat_template=get_family(model.family).chat_template,
-                              chosen_template=model.template_source, trust_remote_code=model.trust_remote_code)
+                              chosen_template=model.template_source, trust_remote_code=model.trust_remote_code,
+                              encode_options=encode_options)
     log = get_run_logger()
     log.info("%s: %d rows, %d tokens (%d trained), %d bad rows skipped", dataset.dataset_id, result.num_rows,
              result.num_tokens, result.num_trained_tokens, result.num_bad)

@@ -29,7 +29,8 @@ _DATASHEET_PEAKS: list[tuple[str, dict[str, float]]] = [
 _EXPERT_PARAM = re.compile(r"(^|\.)experts\.")  # routed experts; DeepSeek's shared_experts always run
 
 
-def model_flops_per_token(config, seq_len: int, lora_params: int | None = None) -> float:
+def model_flops_per_token(config, seq_len: int, lora_params: int | None = None,
+                          auto_class: str = "AutoModelForCausalLM") -> float:
     """Training FLOPs per token (forward + backward) of the model `config` describes.
 
     Full fine-tuning (`lora_params=None`): the standard 6·N, i.e. 2·N forward, 2·N backward to the inputs
@@ -41,17 +42,18 @@ def model_flops_per_token(config, seq_len: int, lora_params: int | None = None) 
     have no weights and need all three passes either way. As in the PaLM/nanoGPT count, the causal mask's
     halving is not subtracted.
     """
-    active = _active_matmul_params(config)
+    active = _active_matmul_params(config, auto_class)
     weights = 6 * active if lora_params is None else 4 * active + 6 * lora_params
     return float(weights + _attention_flops_per_token(config, seq_len))
 
 
-def _active_matmul_params(config) -> float:
-    """Parameters one token multiplies with, counted on a meta-device build (no memory, any architecture)."""
-    from transformers import AutoModelForCausalLM
+def _active_matmul_params(config, auto_class: str = "AutoModelForCausalLM") -> float:
+    """Parameters one token multiplies with, counted on a meta-device build (no memory, any architecture);
+    `auto_class` is the head the model trains with (AutoModel: an encoder without the LM head)."""
+    import transformers
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = getattr(transformers, auto_class).from_config(config)
     output = model.get_output_embeddings()
     output_ids = {id(p) for p in output.parameters()} if output is not None else set()
     lookup_ids = {id(p) for p in model.get_input_embeddings().parameters()} - output_ids  # tied: a matmul
@@ -175,12 +177,12 @@ class StepPerf:
 
     def __init__(self, config, seq_len: int, device: torch.device | str, world_size: int = 1,
                  dtype: torch.dtype = torch.float32, lora_params: int | None = None, peak: float | None = None,
-                 data_parallel_size: int | None = None):
+                 data_parallel_size: int | None = None, auto_class: str = "AutoModelForCausalLM"):
         """`seq_len`: the typical sequence length (attention cost); `peak`: overrides the looked-up peak."""
         self.device = torch.device(device)
         self.world_size = world_size
         self.data_parallel_size = world_size if data_parallel_size is None else data_parallel_size
-        self.flops_per_token = model_flops_per_token(config, seq_len, lora_params)
+        self.flops_per_token = model_flops_per_token(config, seq_len, lora_params, auto_class)
         self.peak = peak if peak is not None else peak_flops(self.device, dtype)
         self.peak_source = "given" if peak is not None else peak_flops_source(self.device, dtype)
 

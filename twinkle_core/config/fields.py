@@ -79,6 +79,12 @@ GlobalBatchSize = Annotated[int, Field(ge=1, description="Sequences per step ove
 EvalBatches = Annotated[int, Field(ge=1, description="Validation micro-batches per data-parallel process for the held-out loss.")]
 VirtualPipelineStages = Annotated[int | None, Field(ge=2, description="Model chunks per pipeline rank (interleaved 1F1B; needs pp_size > 1; empty: none).")]
 
+# ----- embedding models (InfoNCE) ----------------------------------------------------------------------
+PoolingName = Annotated[Literal["mean", "cls", "last"] | None, Field(description="How hidden states become one embedding: mean over the mask, the first (CLS) token, or the last (EOS) token (empty: the checkpoint's pooling config, else the family's).")]
+Temperature = Annotated[float, Field(gt=0, description="InfoNCE temperature: scores are q·d / temperature (scale = 1 / temperature).")]
+SameSideNegatives = Annotated[bool, Field(description="Also contrast each query with the other queries and its positive with the other documents (Qwen3-Embedding's loss).")]
+QueryTask = Annotated[str | None, Field(description="The task text of the query instruction ('Instruct: {task}\nQuery:' for Qwen3-Embedding; empty: the checkpoint's prompt, else the published default).")]
+
 # ----- multi-tenant LoRA --------------------------------------------------------------------------------
 TenantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]+$", description="Tenant name (letters, digits, '_', '-'): names its adapter, MLflow run and registered model.")]
 MixedBatches = Annotated[bool, Field(description="Train every tenant's micro-batch of a round in one mixed batch (one base-model pass); false: one after another.")]
@@ -165,6 +171,28 @@ class ChatDataFields(BaseModel):
 
 class PackedChatDataFields(ChatDataFields, _PackingField):
     """Chat rows, optionally packed several to a sequence."""
+
+
+class EmbeddingFields(BaseModel):
+    """How an embedding model pools, and how InfoNCE scores its candidates."""
+
+    pooling: PoolingName = None
+    temperature: Temperature = 0.1
+    same_side_negatives: SameSideNegatives = False
+    query_task: QueryTask = None
+
+    def objective_options(self) -> dict:
+        """The infonce objective's options these settings describe (empty ones left to the checkpoint)."""
+        options = {"temperature": self.temperature, "same_side": self.same_side_negatives,
+                   "pooling": self.pooling, "query_task": self.query_task}
+        return {key: value for key, value in options.items() if value is not None}
+
+
+class EmbeddingDataFields(BaseModel):
+    """How embedding rows become training samples."""
+
+    max_length: MaxLength = 128
+    max_bad_fraction: MaxBadFraction = 0.01
 
 
 class LoraFields(BaseModel):

@@ -1,7 +1,8 @@
 """Row kinds: how a row of each kind is validated and encoded, in a registry new kinds can join.
 
 Embedding (query/positive/negatives), VLM (images) and preference (chosen/rejected) rows register
-here with their own validator and encoder; load_rows and tokenize_dataset only look kinds up.
+here with their own validator, encoder, truncation, token count and batch collation; load_rows,
+tokenize_dataset, the recipe and the model only look kinds up.
 """
 from __future__ import annotations
 
@@ -10,20 +11,38 @@ from typing import Any, Callable
 
 from twinkle_core.config.registry import Registry
 
-from .encode import encode_chat, encode_text
+from . import pairs
+from .collate import collate
+from .encode import count_trained_tokens, encode_chat, encode_text, truncate
 from .validate import validate_chat_row, validate_text_row
+
+
+def _token_counts(example: dict) -> tuple[int, int]:
+    return len(example["input_ids"]), count_trained_tokens(example["labels"])
+
+
+def _longer_than(example: dict, max_length: int) -> bool:
+    return len(example["input_ids"]) > max_length
 
 
 @dataclass(frozen=True)
 class RowFormat:
     """A row kind: `validate(row)` returns the normalised row or raises RowError;
-    `encode(tokenizer, row, enable_thinking=...)` returns a dict of per-token lists (at least input_ids and
-    labels), untruncated; kinds without replies to think about ignore enable_thinking."""
+    `encode(tokenizer, row, enable_thinking=..., **options)` returns an example (a dict of token lists: for
+    chat and text at least input_ids and labels), or a list of examples, untruncated; kinds without replies
+    to think about ignore enable_thinking."""
 
     kind: str
     validate: Callable[[Any], dict]
-    encode: Callable[..., dict]
+    encode: Callable[..., dict | list[dict]]
     needs_chat_template: bool = True  # its rows are rendered with the tokenizer's chat template
+    truncate: Callable[[dict, int], dict] = truncate
+    was_truncated: Callable[[dict, int], bool] = _longer_than
+    count_tokens: Callable[[dict], tuple[int, int]] = _token_counts  # (tokens, trained tokens)
+    num_sequences: Callable[[dict], int] = lambda example: 1  # texts the model reads per example
+    collate: Callable[..., dict] = collate  # (examples, pad_token_id=, mask_dtype=) -> a batch of tensors
+    batch_keys: tuple[str, ...] = ("input_ids", "labels")  # what a collated batch must hold
+    packable: bool = True
 
 
 _FORMATS: Registry[RowFormat] = Registry("kind", "row kind")
@@ -54,3 +73,7 @@ def _encode_text_row(tokenizer, row: dict, enable_thinking: bool = True) -> dict
 
 register_row_format(RowFormat("chat", validate_chat_row, _encode_chat_row))
 register_row_format(RowFormat("text", validate_text_row, _encode_text_row, needs_chat_template=False))
+register_row_format(RowFormat(
+    "pairs", pairs.validate_pair_row, pairs.encode_pair_row, needs_chat_template=False, truncate=pairs.truncate_pair,
+    was_truncated=pairs.was_truncated, count_tokens=pairs.count_pair_tokens, num_sequences=pairs.num_texts,
+    collate=pairs.collate_pairs, batch_keys=pairs.BATCH_KEYS, packable=False))

@@ -12,7 +12,6 @@ import pyarrow.parquet as pq
 from ..atomic import atomic_dir
 from ..hashing import hash_file, hash_json
 from ..paths import cache_dir
-from .encode import count_trained_tokens, truncate
 from .errors import ChatTemplateError, DatasetError, RowError
 from .formats import get_row_format
 from .packing import pack_examples
@@ -57,24 +56,25 @@ def _cache_key(dataset_path: Path, tokenizer_path: Path, tokenizer, settings: di
 
 
 def _encode_rows(dataset_path: Path, tokenizer, kind: str, max_length: int, max_bad_fraction: float,
-                 enable_thinking: bool):
+                 enable_thinking: bool, encode_options: dict):
     """Encoded, truncated examples and all bad rows (unreadable, unrenderable, or left untrained by truncation)."""
     loaded = load_rows(dataset_path, kind, max_bad_fraction)
-    encode = get_row_format(kind).encode
+    row_format = get_row_format(kind)
     examples, bad, truncated = [], list(loaded.bad), 0
     for row, line in zip(loaded.rows, loaded.lines):
         try:
-            example = encode(tokenizer, row, enable_thinking=enable_thinking)
+            encoded = row_format.encode(tokenizer, row, enable_thinking=enable_thinking, **encode_options)
         except (ChatTemplateError, RowError) as error:  # e.g. a Mistral tool call without a 9-character id
             bad.append(BadRow(str(dataset_path), line, str(error)))
             continue
-        truncated += len(example["input_ids"]) > max_length
-        example = truncate(example, max_length)
-        if count_trained_tokens(example["labels"]) == 0:
+        encoded = encoded if isinstance(encoded, list) else [encoded]  # a row may give several examples
+        truncated += any(row_format.was_truncated(example, max_length) for example in encoded)
+        encoded = [row_format.truncate(example, max_length) for example in encoded]
+        if any(row_format.count_tokens(example)[1] == 0 for example in encoded):
             bad.append(BadRow(str(dataset_path), line, f"no trained token within max_length={max_length}: "
                               "the reply starts after the cut; raise max_length or shorten the prompt"))
             continue
-        examples.append(example)
+        examples.extend(encoded)
     if truncated:
         logger.info("%s: truncated %d of %d rows to max_length=%d",
                     dataset_path, truncated, len(loaded.rows), max_length)
@@ -95,17 +95,22 @@ def tokenize_dataset(
     chat_template: str | None = None,
     chosen_template: str | None = None,
     trust_remote_code: bool = False,
+    encode_options: dict | None = None,
 ) -> TokenizedDataset:
     """Encode every row of a data file with a local tokenizer directory, or reuse the cached result.
 
     enable_thinking=False trains chat replies without their reasoning. `chat_template` names a family template
     (see chat_template_names()) for a tokenizer that ships none; a tokenizer's own template is kept, unless
     `chosen_template` (Jinja source the user chose) replaces it. Chat rows need one of the three.
+    `encode_options` go to the row kind's encoder (e.g. the query prompt of embedding pairs) and into the key.
     """
     from transformers import AutoTokenizer  # heavy; only needed here, so importing the package stays light
 
     row_format = get_row_format(kind)
+    encode_options = dict(encode_options or {})
     check_fraction(max_bad_fraction)
+    if packing and not row_format.packable:
+        raise ValueError(f"packing=True: {kind} rows cannot be packed")
     if max_length < 1:
         raise ValueError(f"max_length={max_length} must be a positive number of tokens")
     dataset_path, tokenizer_path = Path(dataset_path), Path(tokenizer_path)
@@ -118,6 +123,8 @@ def tokenize_dataset(
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     use_chat_template(tokenizer, chosen_template, chat_template, required=row_format.needs_chat_template)
     settings = {"kind": kind, "max_length": max_length, "packing": packing, "enable_thinking": enable_thinking}
+    if encode_options:
+        settings["encode_options"] = encode_options
     key = _cache_key(dataset_path, tokenizer_path, tokenizer, settings)
     final = cache_dir("tokenized") / key[:16]
     if (final / "meta.json").is_file():
@@ -126,13 +133,15 @@ def tokenize_dataset(
         total = dataset.num_examples + dataset.num_bad
         report_bad_rows(list(dataset.bad), total, max_bad_fraction, str(dataset_path), num_bad=dataset.num_bad)
         return dataset
-    examples, bad = _encode_rows(dataset_path, tokenizer, kind, max_length, max_bad_fraction, enable_thinking)
+    examples, bad = _encode_rows(dataset_path, tokenizer, kind, max_length, max_bad_fraction, enable_thinking,
+                                 encode_options)
     rows = pack_examples(examples, max_length) if packing else examples
+    counts = [row_format.count_tokens(row) for row in rows]
     meta = {
         "content_hash": key, "format_version": FORMAT_VERSION, **settings,
         "num_rows": len(rows), "num_examples": len(examples), "num_bad": len(bad),
-        "num_tokens": sum(len(row["input_ids"]) for row in rows),
-        "num_trained_tokens": sum(count_trained_tokens(row["labels"]) for row in rows),
+        "num_tokens": sum(tokens for tokens, _ in counts),
+        "num_trained_tokens": sum(trained for _, trained in counts),
         "bad": [vars(row) for row in bad[:MAX_BAD_STORED]],
     }
     with atomic_dir(final) as tmp:
@@ -143,8 +152,17 @@ def tokenize_dataset(
     return read_meta(final)
 
 
+def _column_type(values: list) -> pa.DataType:
+    """int32 token lists, or lists of them (an embedding row's hard negatives)."""
+    nested = any(value and isinstance(value[0], list) for value in values)
+    return pa.list_(pa.list_(pa.int32())) if nested else pa.list_(pa.int32())
+
+
 def _write_parquet(rows: list[dict], path: Path) -> None:
-    columns = {name: pa.array([row[name] for row in rows], type=pa.list_(pa.int32())) for name in rows[0]}
+    columns = {}
+    for name in rows[0]:
+        values = [row[name] for row in rows]
+        columns[name] = pa.array(values, type=_column_type(values))
     pq.write_table(pa.table(columns), path)
 
 

@@ -72,3 +72,25 @@ register_family(ModelFamily(
     end_of_turn=CHATML_END, megatron=True,
     notes="converted to the Llama layout on download; no remote code runs",
 ))
+
+# ----- embedding models (the embedding flow: InfoNCE, twinkle_core.objectives.embedding) -------------------
+register_family(ModelFamily(
+    name="qwen3_embedding", title="Qwen3-Embedding", model_ids="Qwen/Qwen3-Embedding-0.6B ~ 8B",
+    model_types=("qwen3",), id_pattern=r"^qwen/qwen3-embedding", chat_template=None, end_of_turn=(),
+    thinking=False, tools=False, default_for_model_type=False, pooling="last",
+    query_prompt="Instruct: {task}\nQuery:",
+    query_task="Given a web search query, retrieve relevant passages that answer the query",
+    notes="a Qwen3 decoder read at its last token (each text ends with EOS); the instruction goes on queries only",
+))
+register_family(ModelFamily(
+    name="bert_embedding", title="GTE / BERT encoders", model_ids="thenlper/gte-large-zh, all-MiniLM-L6-v2",
+    model_types=("bert",), id_pattern=r"^(thenlper/gte-|sentence-transformers/|baai/bge-)", chat_template=None,
+    end_of_turn=(), tools=False, pooling="cls", lora_exclude_modules=("pooler.dense",),
+    notes="BertModel encoders: CLS pooling as gte-large-zh's card (a checkpoint's 1_Pooling config wins, e.g. "
+          "mean for all-MiniLM-L6-v2); BERT's pooler head is not part of the embedding and stays frozen",
+))
+register_family(ModelFamily(
+    name="gte", title="GTE (new, RoPE)", model_ids="Alibaba-NLP/gte-multilingual-base, gte-modernbert",
+    model_types=("gte",), id_pattern=r"^alibaba-nlp/gte-", chat_template=None, end_of_turn=(), tools=False,
+    pooling="cls", notes="transformers' native `gte` encoder (rotary positions); CLS pooling",
+))

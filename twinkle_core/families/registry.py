@@ -32,6 +32,10 @@ class ModelFamily:
     lora_exclude_modules: tuple[str, ...] = ()  # linears LoRA must not wrap (e.g. grouped projections)
     default_for_model_type: bool = True  # the family a bare model_type maps to when several share it
     tested: bool = True  # False: a model_type outside the registry, trained with what its model declares
+    # Embedding families (the embedding flow): how hidden states become one vector, and the query instruction.
+    pooling: str | None = None  # "last", "cls" or "mean"; a checkpoint's own 1_Pooling/config.json wins
+    query_prompt: str = ""  # put before every query; "{task}" is replaced by the task text
+    query_task: str = ""  # the published default task text
     notes: str = ""
     _id_regex: re.Pattern = field(init=False, repr=False, compare=False)
 
@@ -42,6 +46,10 @@ class ModelFamily:
         if unknown:
             raise ValueError(f"family {self.name!r}: moe_model_types {sorted(unknown)} are not in model_types")
         object.__setattr__(self, "_id_regex", re.compile(self.id_pattern, re.IGNORECASE))
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.pooling is not None
 
     @property
     def has_moe(self) -> bool:
@@ -105,8 +113,9 @@ def _supported() -> str:
     return "; ".join(f"{f.title} ({', '.join(f.model_types)})" for f in _FAMILIES.values())
 
 
-def family_for_model_type(model_type: str, model_id: str | None = None) -> ModelFamily:
-    """The family of a config.json model_type; the id picks among families sharing a model_type.
+def family_for_model_type(model_type: str, model_id: str | None = None, embedding: bool = False) -> ModelFamily:
+    """The family of a config.json model_type; the id picks among families sharing a model_type, and so does
+    `embedding` (a sentence-transformers directory: Qwen3-Embedding rather than Qwen 3).
 
     A model_type no family covers gets an untested family (see `untested_family`).
     """
@@ -115,7 +124,10 @@ def family_for_model_type(model_type: str, model_id: str | None = None) -> Model
         return untested_family(model_type)
     repo = _repo_of(model_id) if model_id else None
     by_id = [f for f in candidates if repo and f.matches_id(repo)]
-    return (by_id or [f for f in candidates if f.default_for_model_type] or candidates)[0]
+    if by_id:
+        return by_id[0]
+    same_kind = [f for f in candidates if f.is_embedding == embedding] or candidates
+    return ([f for f in same_kind if f.default_for_model_type] or same_kind)[0]
 
 
 def _repo_of(model_id: str) -> str:
@@ -156,7 +168,7 @@ def family_for_model_dir(path: str | Path, model_id: str | None = None,
     model_type = values.get("model_type")
     if not model_type:
         raise UnsupportedModelError(f"{config} has no model_type; supported families: {_supported()}.")
-    return family_for_model_type(model_type, model_id)
+    return family_for_model_type(model_type, model_id, embedding=(Path(path) / "modules.json").is_file())
 
 
 def remote_code_of(config: dict) -> str | None:
@@ -172,7 +184,6 @@ def remote_code_of(config: dict) -> str | None:
 # Ids of model kinds the specification lists for later releases: fail early with a clear message.
 _NOT_YET = (
     (re.compile(r"-vl-|-vl$|internvl", re.IGNORECASE), "vision-language models"),
-    (re.compile(r"embedding|/gte-", re.IGNORECASE), "embedding models"),
 )
 
 

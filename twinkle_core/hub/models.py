@@ -6,6 +6,7 @@ from pathlib import Path
 
 from twinkle_core.hashing import hash_tree
 
+from .archive import materialise_zip
 from .errors import HubError
 from .gguf import materialise_gguf
 from .ids import parse_id
@@ -24,7 +25,8 @@ class ResolvedModel:
 
 
 def resolve_model(model_id: str) -> ResolvedModel:
-    """Resolve `ms://`, `hf://`, `pkg://`, `file://` ids or paths (a model directory or a .gguf file).
+    """Resolve `ms://`, `hf://`, `pkg://`, `file://` ids or paths (a model directory, a .gguf file, or a .zip
+    of a model directory, as the all-MiniLM-L6-v2 package ships one).
 
     An InternLM2 directory resolves to its Llama conversion in the cache (see internlm2.py).
     """
@@ -37,9 +39,11 @@ def resolve_model(model_id: str) -> ResolvedModel:
         return _model_dir(model_id, folder, snapshot_hash(parsed, folder))
     target = local_target(parsed, model_id)
     if target.is_file():
-        if target.suffix.lower() != ".gguf":
-            raise HubError(f"model id {model_id!r}: {str(target)!r} is a file but not a .gguf; give a model directory")
-        folder, digest = materialise_gguf(target)
+        suffix = target.suffix.lower()
+        if suffix not in (".gguf", ".zip"):
+            raise HubError(f"model id {model_id!r}: {str(target)!r} is a file but not a .gguf or a .zip; "
+                           "give a model directory")
+        folder, digest = (materialise_gguf if suffix == ".gguf" else materialise_zip)(target)
         return ResolvedModel(model_id, folder, digest)
     _require_model_dir(target, model_id)
     # Local directories may be edited in place, so their hash covers every byte.

@@ -5,11 +5,14 @@ from typing import Any
 
 import torch
 
-from twinkle_core.data import collate, encode_chat
+from twinkle_core.data import collate, encode_chat, get_row_format
 
 
-def to_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, max_length: int | None) -> dict:
-    """Chat rows are encoded with the model's chat template and collated; dicts are moved as they are."""
+def to_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, max_length: int | None,
+             kind: str = "chat", encode_options: dict | None = None) -> dict:
+    """Rows are encoded (chat rows with the model's chat template) and collated; dicts are moved as they are."""
+    if kind != "chat":
+        return _rows_batch(inputs, tokenizer, device, max_length, kind, encode_options or {})
     if isinstance(inputs, list):
         if not inputs:
             raise ValueError("inputs: an empty list of rows; pass at least one chat row.")
@@ -25,6 +28,25 @@ def to_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, ma
     return {k: torch.as_tensor(v).to(device) for k, v in inputs.items()}
 
 
+def _rows_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, max_length: int | None,
+                kind: str, encode_options: dict) -> dict:
+    """Rows of another kind (e.g. embedding pairs) through their row format; a collated dict as it is."""
+    row_format = get_row_format(kind)
+    if isinstance(inputs, list):
+        if not inputs:
+            raise ValueError(f"inputs: an empty list of rows; pass at least one {kind} row.")
+        examples = []
+        for row in inputs:
+            encoded = row_format.encode(tokenizer, row_format.validate(row), **encode_options)
+            examples += [row_format.truncate(e, max_length) if max_length else e for e in encoded]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        inputs = row_format.collate(examples, pad_token_id=pad)
+    missing = [key for key in row_format.batch_keys if not isinstance(inputs, dict) or key not in inputs]
+    if missing:
+        raise ValueError(f"inputs must be a list of {kind} rows or a collated batch dict; missing {missing}.")
+    return {k: torch.as_tensor(v).to(device) for k, v in inputs.items()}
+
+
 def _messages_of(row: dict | list) -> list[dict]:
     if isinstance(row, dict) and "messages" in row:
         return row["messages"]
@@ -34,8 +56,9 @@ def _messages_of(row: dict | list) -> list[dict]:
 
 
 def count_input_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Non-padding tokens in a batch (all tokens when there is no 2-D attention mask)."""
-    mask = batch.get("attention_mask")
-    if mask is not None and mask.dim() == 2:
-        return int(mask.sum())
+    """Non-padding tokens in a batch (all tokens when there is no 2-D attention mask); every 2-D
+    *attention_mask (an embedding batch has one for queries and one for documents) counts."""
+    masks = [v for k, v in batch.items() if k.endswith("attention_mask") and v.dim() == 2]
+    if masks:
+        return sum(int(mask.sum()) for mask in masks)
     return batch["input_ids"].numel()

@@ -15,14 +15,16 @@ class LossModule(torch.nn.Module):
     getters let Accelerate's FSDP2 layout find the model's embedding and output layers.
     """
 
-    def __init__(self, model: torch.nn.Module, group=None, objective: Objective | None = None):
+    def __init__(self, model: torch.nn.Module, group=None, objective: Objective | None = None,
+                 options: dict | None = None):
         super().__init__()
         self.model = model
-        self.group = group  # data-parallel ranks: the router aux loss is that of the global micro-batch
+        self.group = group  # data-parallel ranks: the router aux loss (or InfoNCE's negatives) of the global batch
         self.objective = objective or get_objective("causal_lm")
+        self.options = options or {}  # the objective's own (e.g. InfoNCE's temperature and pooling)
 
     def forward(self, batch: dict[str, torch.Tensor], router_aux_loss_coef: float | None = None) -> LossParts:
-        return self.objective.loss_sum(self.model, batch, router_aux_loss_coef, self.group)
+        return self.objective.loss_sum(self.model, batch, router_aux_loss_coef, self.group, **self.options)
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import transformers
+from transformers import AutoTokenizer
 
 from twinkle_core.data import use_chat_template
 from twinkle_core.families import family_for_model_dir, get_family
@@ -86,10 +87,12 @@ class TransformersModel:
         objective: str = "causal_lm",
         chat_template: str | None = None,
         trust_remote_code: bool = False,
+        objective_options: dict | None = None,
         **from_pretrained_kwargs: Any,
     ):
         """`router_aux_loss_coef`: weight of the MoE router load-balancing loss (None: the config's, 0: off);
-        `objective`: the loss forward_backward computes (a registered twinkle_core.objectives name);
+        `objective`: the loss forward_backward computes (a registered twinkle_core.objectives name), with its
+        `objective_options` (e.g. infonce: temperature, pooling, same_side);
         `chat_template`: Jinja source that replaces the tokenizer's own template; `trust_remote_code`: run the
         modelling code a checkpoint ships (refused otherwise)."""
         strategy = parse_strategy(strategy)
@@ -104,6 +107,7 @@ class TransformersModel:
         self.family = get_family(family) if family else family_for_model_dir(self.path, model_id, trust_remote_code)
         if not self.family.tested:
             logger.warning("%s: %s", model_id, self.family.notes)
+        self.objective_options = self.objective.options(self.path, self.family, objective_options)
         self.max_length = max_length
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=trust_remote_code)
         # The run's template, else the tokenizer's own, else the family's; generation needs none to exist.
@@ -112,7 +116,10 @@ class TransformersModel:
         if trust_remote_code:
             from_pretrained_kwargs["trust_remote_code"] = True
         # Loaded whole on every rank, also under tensor parallelism: the strategy shards it in set_optimizer.
-        self.model = AutoModelForCausalLM.from_pretrained(self.path, **from_pretrained_kwargs).to(self.device)
+        auto_class = getattr(transformers, self.objective.auto_class)  # a causal LM, or an encoder (AutoModel)
+        self.model = auto_class.from_pretrained(self.path, **from_pretrained_kwargs).to(self.device)
+        if self.objective.prepare_model:
+            self.objective.prepare_model(self.model)
         if self.precision.fp8_linears:
             convert_linears_to_fp8(self.model)
         self.router_aux_loss_coef = resolve_router_aux_loss_coef(self.model, router_aux_loss_coef)
@@ -139,6 +146,7 @@ class TransformersModel:
                 "(use MultiLoraTransformersModel for several)."
             )
         self._check_not_wrapped("add_adapter_to_model")
+        config.task_type = self.objective.peft_task_type  # PEFT's wrapper must match the loaded head
         if config.target_modules is None:
             config.target_modules = self.family.lora_target_modules
         if config.exclude_modules is None and self.family.lora_exclude_modules:
@@ -282,8 +290,10 @@ class TransformersModel:
             self._apply_storage_dtypes()
 
     def export(self, name: str, output_dir: str | Path) -> Path:
-        """The trained result for evaluation and the registry: what `save` writes."""
-        return self.save(name, output_dir)
+        """The trained result for evaluation and the registry: what `save` writes, or the objective's own form
+        of it (an embedding model: a sentence-transformers directory beside the saved checkpoint)."""
+        saved = self.save(name, output_dir)
+        return self.objective.export(self, saved, Path(output_dir)) if self.objective.export else saved
 
     def save_training_state(self, checkpoint_dir: str | Path, progress: dict) -> None:
         save_training_state(self, checkpoint_dir, progress)
@@ -309,7 +319,7 @@ class TransformersModel:
         """The loss as one module call: wrapped by the strategy once set_optimizer ran in several processes."""
         # every rank whose tokens count (dp × fsdp × sp) shares the router statistics of the global batch
         group = self.parallel.group if self.parallel.grad_average_size > 1 else None
-        return self._runner or LossModule(self.model, group, self.objective)
+        return self._runner or LossModule(self.model, group, self.objective, self.objective_options)
 
     def _check_not_wrapped(self, verb: str) -> None:
         if self.parallel.is_distributed and self._runner is not None:
@@ -317,7 +327,8 @@ class TransformersModel:
                                f"in a multi-process run call {verb} before set_optimizer.")
 
     def _batch(self, inputs: list[dict] | dict) -> dict[str, torch.Tensor]:
-        return to_batch(inputs, self.tokenizer, self.device, self.max_length)
+        return to_batch(inputs, self.tokenizer, self.device, self.max_length, self.objective.row_kind,
+                        self.objective.encode_options(self.objective_options))
 
     def _slice_sequences(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Sequence parallelism: this rank's slice of every row (unchanged otherwise)."""

@@ -11,8 +11,9 @@ twinkle_core.data.formats, and a flow file; nothing else is copied (docs/ARCHITE
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
 from twinkle_core.config.registry import Registry
 from twinkle_core.objectives.causal_lm import LossParts, causal_lm_loss_sum
@@ -24,6 +25,25 @@ class Objective:
     row_kind: str  # the data rows it trains on (a registered row kind)
     loss_sum: Callable[..., LossParts]  # (model, batch, router_aux_loss_coef, group) -> LossParts
     backends: frozenset[str]  # the training backends that implement it
+    auto_class: str = "AutoModelForCausalLM"  # the transformers class its model loads as
+    peft_task_type: str = "CAUSAL_LM"  # the PEFT task type of its LoRA adapter
+    splits: frozenset[str] | None = None  # the mesh dimensions it can split over (None: every one)
+    # (model_dir, family, options) -> the options loss_sum takes, checked and completed from the checkpoint
+    resolve_options: Callable[[Path, Any, dict], dict] | None = None
+    prepare_model: Callable[[Any], None] | None = None  # e.g. freeze parts the objective never uses
+    export: Callable[..., Path] | None = None  # (model, saved_dir, output_dir) -> the registered form
+    option_names: tuple[str, ...] = field(default=())
+    # resolved options -> the row encoder's options (rows passed to forward_backward as they are)
+    encode_options: Callable[[dict], dict] = lambda options: {}
+
+    def options(self, model_dir: Path, family, options: dict | None) -> dict:
+        """The loss options for this model (an objective without options refuses any)."""
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(self.option_names))
+        if unknown:
+            raise ValueError(f"objective {self.name!r} takes no option(s) {unknown}; it takes "
+                             f"{list(self.option_names) or 'none'}")
+        return self.resolve_options(model_dir, family, options) if self.resolve_options else options
 
 
 _OBJECTIVES: Registry[Objective] = Registry("objective", "training objective")
@@ -39,5 +59,6 @@ def get_objective(name: str) -> Objective:
 
 
 register_objective(Objective("causal_lm", "chat", causal_lm_loss_sum, frozenset({"transformers", "megatron"})))
+from twinkle_core.objectives import embedding as _embedding  # noqa: E402,F401  (registers infonce)
 
 __all__ = ["LossParts", "Objective", "get_objective", "register_objective"]

@@ -16,8 +16,8 @@ def local_rows(rows: list[dict], rank: int, world: int) -> list[dict]:
     """Rows `rank::world` of one global micro-batch.
 
     A rank left without rows (the last, short micro-batch of an epoch) gets one row with every label
-    masked: it still runs forward and backward, which FSDP's and DDP's collectives need from every rank,
-    but it adds no trained token and no loss.
+    masked (rows without labels, e.g. embedding pairs, are marked `masked`): it still runs forward and
+    backward, which FSDP's and DDP's collectives need from every rank, but it adds no trained token and no loss.
     """
     if not rows:
         raise ValueError("local_rows needs the rows of a non-empty global micro-batch.")
@@ -26,6 +26,8 @@ def local_rows(rows: list[dict], rank: int, world: int) -> list[dict]:
     share = rows[rank::world]
     if share:
         return share
+    if "labels" not in rows[0]:
+        return [{**rows[0], "masked": True}]
     return [{**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"])}]
 
 

@@ -19,17 +19,19 @@ class RegistrationResult:
     champion_version: str | None  # the champion before this registration
     champion_loss: float | None
     promoted: bool
+    label: str = "eval loss"  # what eval_loss / champion_loss measure (e.g. "recall@1" for embeddings)
 
     def decision(self) -> str:
+        label = self.label
         if self.champion_version is None:
-            return f"no champion yet: version {self.version} (eval loss {self.eval_loss:.4f}) becomes champion"
+            return f"no champion yet: version {self.version} ({label} {self.eval_loss:.4f}) becomes champion"
         if self.champion_loss is None:
-            return (f"champion version {self.champion_version} has no recorded eval loss: version {self.version} "
-                    f"(eval loss {self.eval_loss:.4f}) becomes champion")
+            return (f"champion version {self.champion_version} has no recorded {label}: version {self.version} "
+                    f"({label} {self.eval_loss:.4f}) becomes champion")
         verdict = "beats" if self.promoted else "does not beat"
         tail = "it becomes champion" if self.promoted else f"version {self.champion_version} stays champion"
-        return (f"version {self.version} (eval loss {self.eval_loss:.4f}) {verdict} champion version "
-                f"{self.champion_version} (eval loss {self.champion_loss:.4f}): {tail}")
+        return (f"version {self.version} ({label} {self.eval_loss:.4f}) {verdict} champion version "
+                f"{self.champion_version} ({label} {self.champion_loss:.4f}): {tail}")
 
 
 def _champion(client: MlflowClient, name: str, metric: str) -> tuple[str | None, float | None]:
@@ -42,9 +44,12 @@ def _champion(client: MlflowClient, name: str, metric: str) -> tuple[str | None,
 
 
 def register_version(
-    client: MlflowClient, name: str, run_id: str, artifact_path: str, eval_loss: float, metric: str = "eval_loss"
+    client: MlflowClient, name: str, run_id: str, artifact_path: str, eval_loss: float, metric: str = "eval_loss",
+    higher_is_better: bool = False,
 ) -> RegistrationResult:
-    """Create a version of `name` from the run's artifact; alias it candidate; promote it if it wins."""
+    """Create a version of `name` from the run's artifact; alias it candidate; promote it if it wins.
+
+    `eval_loss` is the run's value of `metric` (lower wins, unless `higher_is_better`, e.g. recall@1)."""
     try:
         client.get_registered_model(name)
     except MlflowException:
@@ -53,9 +58,10 @@ def register_version(
     source = f"{client.get_run(run_id).info.artifact_uri}/{artifact_path}"
     version = client.create_model_version(name, source=source, run_id=run_id).version
     client.set_registered_model_alias(name, CANDIDATE, version)
-    promoted = champion_loss is None or eval_loss < champion_loss
+    promoted = champion_loss is None or (eval_loss > champion_loss if higher_is_better else eval_loss < champion_loss)
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, version)
-    result = RegistrationResult(name, str(version), eval_loss, champion_version, champion_loss, promoted)
+    label = "eval loss" if metric == "eval_loss" else metric
+    result = RegistrationResult(name, str(version), eval_loss, champion_version, champion_loss, promoted, label)
     logger.info("registered %s: %s", name, result.decision())
     return result

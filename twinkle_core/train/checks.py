@@ -38,6 +38,21 @@ def _common_problems(config) -> list[str]:
     if config.backend not in objective.backends:
         problems.append(f"backend={config.backend!r}: the {objective.name} objective runs on "
                         f"{', '.join(sorted(objective.backends))}.")
+    return problems + _split_problems(config, objective)
+
+
+def _split_problems(config, objective) -> list[str]:
+    """Mesh dimensions the objective cannot split over (InfoNCE needs every text whole on one rank)."""
+    if objective.splits is None:
+        return []
+    parallel = config.parallel()
+    sizes = {**parallel.mesh_sizes(), "pp_size": parallel.pp_size}
+    problems = [f"{name}={size}: the {objective.name} objective splits over "
+                f"{', '.join(sorted(objective.splits))} only" for name, size in sizes.items()
+                if size > 1 and name.removesuffix("_size") not in objective.splits]
+    if parallel.sequence_parallel:
+        problems.append(f"sequence_parallel=True: the {objective.name} objective splits over "
+                        f"{', '.join(sorted(objective.splits))} only")
     return problems
 
 

@@ -32,6 +32,7 @@ class TrainRunConfig(RunConfigFile, AdapterFields, OptimizerFields, LoopFields, 
     model_id: ModelId
     backend: BackendName = "transformers"  # megatron: model_path is a Megatron checkpoint or an HF dir
     objective: str = "causal_lm"  # a registered training objective (twinkle_core.objectives)
+    objective_options: dict = Field(default_factory=dict)  # its own options (e.g. infonce: temperature, pooling)
     model_path: Path
     train_data: Path
     checkpoint_dir: Path

@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from twinkle_core.data import collate, load_tokenized
+from twinkle_core.data import get_row_format, load_tokenized
 from twinkle_core.entry import worker_config_path
 from twinkle_core.models.backends import get_backend
+from twinkle_core.objectives import get_objective
 from twinkle_core.parallel import is_main_process, local_micro_batches, world_size_from_env
 from twinkle_core.perf import StepPerf
 from twinkle_core.tracking import MetricsLogger
@@ -57,6 +58,8 @@ class SFTRecipe:
         self.examples = load_tokenized(cfg.train_data)
         if not self.examples:
             raise ValueError(f"train_data {cfg.train_data} holds no examples.")
+        self.objective = get_objective(cfg.objective)
+        self.row_format = get_row_format(self.objective.row_kind)  # how its examples batch and count
         self.model = get_backend(cfg.backend).build(cfg)
         self.mask_dtype = self.model.precision.compute_dtype  # packed 4-D masks must match sdpa's dtype
         self.pad_id = self.model.tokenizer.pad_token_id
@@ -73,11 +76,12 @@ class SFTRecipe:
         trainable = sum(p.numel() for p in self.model.trainable_parameters())
         emit("setup", examples=len(self.examples), total_steps=self.total_steps, trainable_params=trainable)
         # Read from disk: a DDP/FSDP wrapper hides the model's config.
-        seq_len = round(sum(len(row["input_ids"]) for row in self.examples) / len(self.examples))
+        tokens = sum(self.row_format.count_tokens(row)[0] for row in self.examples)
+        seq_len = round(tokens / sum(self.row_format.num_sequences(row) for row in self.examples))
         self.perf = StepPerf(AutoConfig.from_pretrained(self.model.hf_dir), seq_len, self.model.device,
                              world_size_from_env(), self.model.precision.compute_dtype,
                              lora_params=trainable if cfg.use_lora else None,
-                             data_parallel_size=self.model.data_parallel_size)
+                             data_parallel_size=self.model.data_parallel_size, auto_class=self.objective.auto_class)
         emit("perf", **self.perf.describe())
         self.start_step = self._resume()  # last: it restores the RNG state that training continues with
 
@@ -110,7 +114,10 @@ class SFTRecipe:
         """This rank's collated micro-batches (`local_micro_batches`); the first `skip` were trained before a resume."""
         rows = local_micro_batches(self.examples, self.config.batch_size, self.config.seed,
                                    self.model.data_parallel_rank, self.model.data_parallel_size, skip)
-        return (collate(share, pad_token_id=self.pad_id, mask_dtype=self.mask_dtype) for share in rows)
+        return (self._collate(share) for share in rows)
+
+    def _collate(self, examples: list[dict]) -> dict:
+        return self.row_format.collate(examples, pad_token_id=self.pad_id, mask_dtype=self.mask_dtype)
 
     def train(self) -> None:
         cfg, step, started = self.config, self.start_step, time.perf_counter()
@@ -135,7 +142,7 @@ class SFTRecipe:
 
     def probe_batch(self) -> dict:
         """A fixed batch (the first examples) whose loss fingerprints the trained weights."""
-        return collate(self.examples[: self.config.batch_size], pad_token_id=self.pad_id, mask_dtype=self.mask_dtype)
+        return self._collate(self.examples[: self.config.batch_size])
 
     def save_checkpoint(self) -> Path:
         # The probe loss lets anyone check that the saved checkpoint reloads to exactly these weights.

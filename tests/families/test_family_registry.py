@@ -16,7 +16,8 @@ from twinkle_core.families import (
 )
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-SPEC_FAMILIES = {"qwen3_5", "qwen3", "qwen2_5", "deepseek_v4", "deepseek_r1", "llama3", "mistral", "yi", "glm4", "internlm2_5"}
+SPEC_FAMILIES = {"qwen3_5", "qwen3", "qwen2_5", "deepseek_v4", "deepseek_r1", "llama3", "mistral", "yi", "glm4", "internlm2_5",
+                 "qwen3_embedding", "bert_embedding", "gte"}
 
 
 def test_every_family_of_the_specification_is_registered():
@@ -44,8 +45,8 @@ def test_ids_that_cannot_be_told_yet_pass_and_later_kinds_fail_early():
     assert check_model_id("hf://someone/custom-model") is None
     with pytest.raises(UnsupportedModelError, match="vision-language.*Qwen 2.5"):
         check_model_id("ms://Qwen/Qwen2.5-VL-7B-Instruct")
-    with pytest.raises(UnsupportedModelError, match="embedding"):
-        check_model_id("ms://Qwen/Qwen3-Embedding-0.6B")
+    assert check_model_id("ms://Qwen/Qwen3-Embedding-0.6B").name == "qwen3_embedding"
+    assert check_model_id("hf://thenlper/gte-large-zh").name == "bert_embedding"
 
 
 def test_model_type_lookup_and_its_error(tmp_path):

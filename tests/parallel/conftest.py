@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from embedding_models import save_tiny_bert, write_pairs
 from family_models import save_tiny_family_model
 from tiny_models import CHATML_TEMPLATE, save_tiny_model
 from twinkle_core.data import tokenize_dataset
@@ -33,6 +34,12 @@ CHATS = [("Who are you?", "I am Twinkle, built by the Twinkle Flows team."), ("N
          ("Are you a model?", "Yes, a language model called Twinkle."), ("2+2?", "4."),
          ("Tell me about yourself.", "I am Twinkle, a helpful assistant built by the Twinkle Flows team."),
          ("Who trained you?", "The Twinkle Flows team trained me."), ("bye", "Goodbye!")]
+
+# 9 pairs, batch 4: the third step's micro-batch has 1 row (rank 1 takes a stand-in); no accumulation, as
+# in-batch negatives come from each micro-batch. SGD: softmax ignores the attention key biases, so their exact
+# gradient is 0 and AdamW would turn its float noise into full-size steps that differ between layouts.
+INFONCE = dict(objective="infonce", objective_options={"pooling": "mean", "query_prompt": ""}, batch_size=4,
+               gradient_accumulation_steps=1, max_steps=3, optimizer="SGD", lr=0.1)
 
 # name: (processes, model, settings). lr 1e-3: see test_parallel_equivalence's docstring.
 RUNS: dict[str, tuple[int, str, dict]] = {
@@ -78,6 +85,12 @@ RUNS: dict[str, tuple[int, str, dict]] = {
     "ep_moe_aux": (2, "moe", dict(optimizer="SGD", lr=0.1, parallel=dict(dp_size=2, ep_size=2))),
     "single_moe_adamw": (1, "moe", dict(router_aux_loss_coef=0.0)),
     "ep_moe_adamw": (2, "moe", dict(router_aux_loss_coef=0.0, parallel=dict(dp_size=2, ep_size=2))),
+    # InfoNCE on a tiny BERT (test_parallel_infonce): negatives gathered over the ranks, with their gradient or
+    # detached (infonce_detached, registered by train_worker, as Twinkle gathers them).
+    "single_infonce": (1, "bert", dict(INFONCE)),
+    "ddp_infonce": (2, "bert", dict(INFONCE, parallel=dict(dp_size=2))),
+    "fsdp_infonce": (2, "bert", dict(INFONCE, parallel=dict(strategy="native_fsdp"))),
+    "ddp_infonce_detached": (2, "bert", dict(INFONCE, objective="infonce_detached", parallel=dict(dp_size=2))),
 }
 
 
@@ -113,6 +126,9 @@ class Workspace:
         }
         self.data = {name: tokenize_dataset(data, path, kind="chat", max_length=128).path
                      for name, (path, _) in self.models.items()}
+        self.models["bert"] = (save_tiny_bert(root / "bert"), "bert_embedding")
+        self.data["bert"] = tokenize_dataset(write_pairs(root / "pairs.jsonl"), root / "bert", kind="pairs",
+                                             max_length=64).path
         self._runs: dict[str, Run] = {}
 
     def env(self) -> dict[str, str]:

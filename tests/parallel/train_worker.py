@@ -21,10 +21,16 @@ from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule
 
 from twinkle_core.models.checkpoint import gather_full_state_dict
+from twinkle_core.objectives.embedding import register_infonce
+from twinkle_core.objectives.infonce import gather_detached
 from twinkle_core.parallel import is_main_process
 from twinkle_core.parallel.expert import expert_full_shapes
 from twinkle_core.train import TrainRunConfig
 from twinkle_core.train.recipe import SFTRecipe
+
+
+# InfoNCE with the other ranks' embeddings detached (Twinkle's gather): shown to differ from one process.
+register_infonce("infonce_detached", gather=gather_detached)
 
 
 class StepRecorder:
@@ -72,7 +78,9 @@ def local_shapes(model) -> dict[str, list[list[int]]]:
 def record_attention_lengths(model) -> list[int]:
     """The sequence length of every call of the first attention layer (this rank's slice under sp)."""
     lengths: list[int] = []
-    attention = next(m for name, m in model.model.named_modules() if name.endswith("self_attn"))
+    attention = next((m for name, m in model.model.named_modules() if name.endswith("self_attn")), None)
+    if attention is None:  # an encoder (BERT) names its attention otherwise; nothing to record
+        return lengths
     attention.register_forward_pre_hook(
         lambda module, args, kwargs: lengths.append((args[0] if args else kwargs["hidden_states"]).shape[1]),
         with_kwargs=True)

@@ -57,10 +57,11 @@ def _cache_key(dataset_path: Path, tokenizer_path: Path, tokenizer, settings: di
 
 def _encode_rows(dataset_path: Path, tokenizer, kind: str, max_length: int, max_bad_fraction: float,
                  enable_thinking: bool, encode_options: dict):
-    """Encoded, truncated examples and all bad rows (unreadable, unrenderable, or left untrained by truncation)."""
+    """Encoded, truncated examples, all bad rows (unreadable, unrenderable, or left untrained by truncation)
+    and the number of good source rows (a row may give several examples)."""
     loaded = load_rows(dataset_path, kind, max_bad_fraction)
     row_format = get_row_format(kind)
-    examples, bad, truncated = [], list(loaded.bad), 0
+    examples, bad, truncated, source_rows = [], list(loaded.bad), 0, 0
     for row, line in zip(loaded.rows, loaded.lines):
         try:
             encoded = row_format.encode(tokenizer, row, enable_thinking=enable_thinking, **encode_options)
@@ -75,12 +76,13 @@ def _encode_rows(dataset_path: Path, tokenizer, kind: str, max_length: int, max_
                               "the reply starts after the cut; raise max_length or shorten the prompt"))
             continue
         examples.extend(encoded)
+        source_rows += 1
     if truncated:
         logger.info("%s: truncated %d of %d rows to max_length=%d",
                     dataset_path, truncated, len(loaded.rows), max_length)
     if len(bad) > len(loaded.bad):  # load_rows already reported its own bad rows
         report_bad_rows(bad, len(loaded.rows) + len(loaded.bad), max_bad_fraction, str(dataset_path))
-    return examples, bad
+    return examples, bad, source_rows
 
 
 def tokenize_dataset(
@@ -130,16 +132,17 @@ def tokenize_dataset(
     if (final / "meta.json").is_file():
         logger.info("reusing tokenised data %s for %s", final, dataset_path)
         dataset = read_meta(final)
-        total = dataset.num_examples + dataset.num_bad
+        rows_read = json.loads((final / "meta.json").read_text()).get("num_source_rows", dataset.num_examples)
+        total = rows_read + dataset.num_bad
         report_bad_rows(list(dataset.bad), total, max_bad_fraction, str(dataset_path), num_bad=dataset.num_bad)
         return dataset
-    examples, bad = _encode_rows(dataset_path, tokenizer, kind, max_length, max_bad_fraction, enable_thinking,
+    examples, bad, source_rows = _encode_rows(dataset_path, tokenizer, kind, max_length, max_bad_fraction, enable_thinking,
                                  encode_options)
     rows = pack_examples(examples, max_length) if packing else examples
     counts = [row_format.count_tokens(row) for row in rows]
     meta = {
         "content_hash": key, "format_version": FORMAT_VERSION, **settings,
-        "num_rows": len(rows), "num_examples": len(examples), "num_bad": len(bad),
+        "num_rows": len(rows), "num_examples": len(examples), "num_source_rows": source_rows, "num_bad": len(bad),
         "num_tokens": sum(tokens for tokens, _ in counts),
         "num_trained_tokens": sum(trained for _, trained in counts),
         "bad": [vars(row) for row in bad[:MAX_BAD_STORED]],

@@ -11,8 +11,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from twinkle_core.objectives.infonce import POOLINGS
-
+POOLINGS = ("mean", "cls", "last")
 # sentence-transformers' Pooling config keys → our pooling names
 _POOLING_KEYS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
 

@@ -33,6 +33,7 @@ class Objective:
     prepare_model: Callable[[Any], None] | None = None  # e.g. freeze parts the objective never uses
     export: Callable[..., Path] | None = None  # (model, saved_dir, output_dir) -> the registered form
     option_names: tuple[str, ...] = field(default=())
+    embeds: bool = False  # trains embedding models (families with a pooling), and only those
     # resolved options -> the row encoder's options (rows passed to forward_backward as they are)
     encode_options: Callable[[dict], dict] = lambda options: {}
 

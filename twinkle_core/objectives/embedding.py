@@ -67,7 +67,7 @@ def register_infonce(name: str, **loss_options) -> Objective:
         name, "pairs", loss_sum, frozenset({"transformers"}), auto_class="AutoModel",
         peft_task_type="FEATURE_EXTRACTION", splits=frozenset({"dp", "fsdp"}), resolve_options=_options,
         prepare_model=_freeze_unused_heads, export=_export, encode_options=_encode_options,
-        option_names=("temperature", "pooling", "same_side", "query_task", "query_prompt")))
+        option_names=("temperature", "pooling", "same_side", "query_task", "query_prompt"), embeds=True))
 
 
 register_infonce("infonce")

@@ -4,8 +4,8 @@ For each query the candidates are every document of the global micro-batch: the 
 rows (in-batch negatives), every row's hard negatives, and optionally the other queries and, for the
 query's positive, the other rows' documents (`same_side`, as in Qwen3-Embedding's training; equal to
 sentence-transformers' MultipleNegativesRankingLoss with directions query_to_doc, query_to_query, doc_to_doc
-in one joint softmax). Scores are q·d / temperature. A candidate whose text equals the query's positive, or
-that is the positive of another row with the same query, is a false negative and masked out.
+in one joint softmax). Scores are q·d / temperature. A candidate whose text equals the positive of any row with
+the same query text (the query's own included) is a false negative and masked out.
 
 Across data-parallel ranks the embeddings are all-gathered *with* their gradient: the backward of the gather
 sums every rank's gradient for the gathered embeddings and hands each rank the slice of its own, so a
@@ -22,9 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from twinkle_core.embedding.settings import POOLINGS
 from twinkle_core.objectives.causal_lm import LossParts
-
-POOLINGS = ("mean", "cls", "last")
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -116,14 +115,14 @@ def _global_batch(batch: dict, queries: torch.Tensor, docs: torch.Tensor, group,
 
 def _false_negatives(g: dict, rows: torch.Tensor) -> torch.Tensor:
     """(local queries × global docs): docs that must not count as negatives of each query (its own positive
-    is not among them): a text equal to its positive, another same-query row's positive, a stand-in row's doc."""
-    positive = g["positive"][rows]
-    is_positive = torch.zeros_like(g["doc_key"], dtype=torch.bool)
-    is_positive[g["positive"]] = True
-    same_text = g["doc_key"][None, :] == g["doc_key"][positive][:, None]
-    same_query = is_positive[None, :] & (g["query_key"][g["doc_row"]][None, :] == g["query_key"][rows][:, None])
-    masked = same_text | same_query | ~g["row_valid"][g["doc_row"]][None, :]
-    masked[torch.arange(rows.shape[0], device=rows.device), positive] = False
+    is not among them): a text equal to the positive of any row with the same query text (the query's own
+    included), and the docs of stand-in rows."""
+    positive_keys = g["doc_key"][g["positive"]]  # one per global row
+    same_query = g["query_key"][rows][:, None] == g["query_key"][None, :]  # local × global rows
+    is_positive_text = positive_keys[:, None] == g["doc_key"][None, :]  # global rows × docs
+    masked = (same_query.float() @ is_positive_text.float()) > 0
+    masked |= ~g["row_valid"][g["doc_row"]][None, :]
+    masked[torch.arange(rows.shape[0], device=rows.device), g["positive"][rows]] = False
     return masked
 
 

@@ -65,7 +65,16 @@ def _model_problems(config, model) -> list[str]:
         from twinkle_core.convert import megatron_family
 
         problems += [f"backend='megatron': {p}" for p in raised_problems(megatron_family, model.path)]
-    return problems + _template_problems(config, model)
+    return problems + _kind_problems(config, model) + _template_problems(config, model)
+
+
+def _kind_problems(config, model) -> list[str]:
+    """An embedding model trains in the embedding flow, a language model in the others."""
+    family, objective = get_family(model.family), get_objective(config.objective)
+    if family.is_embedding and not objective.embeds:
+        return [f"model_id={model.model_id!r} is a {family.title} embedding model; train it with "
+                "python -m flows.embedding (InfoNCE)"]
+    return []
 
 
 def _template_problems(config, model) -> list[str]:

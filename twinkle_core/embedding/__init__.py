@@ -1,0 +1,1 @@
+"""Embedding models: their pooling and query prompt (settings), the sentence-transformers export (export)."""

@@ -27,6 +27,8 @@ def _common_problems(config) -> list[str]:
     import torch
 
     problems = raised_problems(check_model_id, config.model_id)
+    if not problems and check_model_id(config.model_id) is not None:
+        problems += _kind_problems(config, check_model_id(config.model_id).name, config.model_id)
     if getattr(config, "chat_template", None):
         problems += raised_problems(read_chat_template, config.chat_template)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,14 +67,18 @@ def _model_problems(config, model) -> list[str]:
         from twinkle_core.convert import megatron_family
 
         problems += [f"backend='megatron': {p}" for p in raised_problems(megatron_family, model.path)]
-    return problems + _kind_problems(config, model) + _template_problems(config, model)
+    return problems + _kind_problems(config, model.family, model.model_id) + _template_problems(config, model)
 
 
-def _kind_problems(config, model) -> list[str]:
+def _kind_problems(config, family_name: str, model_id: str) -> list[str]:
     """An embedding model trains in the embedding flow, a language model in the others."""
-    family, objective = get_family(model.family), get_objective(config.objective)
+    family = get_family(family_name)
+    try:
+        objective = get_objective(config.objective)
+    except ValueError:
+        return []  # reported with the other objective problems
     if family.is_embedding and not objective.embeds:
-        return [f"model_id={model.model_id!r} is a {family.title} embedding model; train it with "
+        return [f"model_id={model_id!r} is a {family.title} embedding model; train it with "
                 "python -m flows.embedding (InfoNCE)"]
     return []
 

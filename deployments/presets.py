@@ -66,6 +66,15 @@ FLOWS: dict[str, dict[str, Preset]] = {
     "flows/multi_lora.py:multi_lora": {
         "default": Preset("The embedded multi-LoRA default: one adapter per tenant in one job."),
     },
+    "flows/embedding.py:embedding": {
+        "default": Preset("The embedded embedding default: all-MiniLM-L6-v2 learns the bundled retrieval set with "
+                          "InfoNCE (in-batch and hard negatives; a few minutes on 2 CPU cores)."),
+        "qwen3-embedding-ddp2": Preset(
+            "Qwen3-Embedding 0.6B, LoRA r=16, bf16, DDP over 2 GPUs with negatives gathered from both; set dataset.",
+            {"model_id": "hf://Qwen/Qwen3-Embedding-0.6B", "nproc_per_node": 2, "dp_size": 2,
+             "mixed_precision": "bf16", "lora_r": 16, "lora_alpha": 32, "lr": 1e-4, "batch_size": 64,
+             "max_length": 512, "epochs": 1, "temperature": 0.05, "same_side_negatives": True}),
+    },
     "flows/convert.py:convert_checkpoint": {
         "smollm2-to-megatron": Preset(
             "The embedded default model as a Megatron-Core dist checkpoint (cached by content hash).",

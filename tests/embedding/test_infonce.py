@@ -167,3 +167,26 @@ def test_ranking_metrics_by_hand():
     assert metrics["recall@1"] == 0.5 and metrics["recall@10"] == 1.0
     assert metrics["mrr@10"] == pytest.approx((1 + 1 / 2) / 2)
     assert metrics["ndcg@10"] == pytest.approx((1 + 1 / math.log2(3)) / 2)
+
+
+def test_accumulation_through_cached_embeddings_equals_one_large_batch(bert):
+    """2 micro-batches of 2 rows, accumulated with cached embeddings, update exactly as one batch of 4: each
+    query also meets the other micro-batch's documents (plain accumulation would not)."""
+    tokenizer = AutoTokenizer.from_pretrained(bert)
+    rows = [PAIRS[i] for i in (0, 1, 3, 4)]
+    results = {}
+    halves = [_batch(tokenizer, rows[:2]), _batch(tokenizer, rows[2:])]
+    for name, calls, steps in [("one batch", [_batch(tokenizer, rows)], 1), ("cached", [halves], 2),
+                               ("plain", halves, 2)]:
+        model = TransformersModel(str(bert), objective="infonce", mixed_precision="no")
+        model.set_optimizer("SGD", lr=0.5, gradient_accumulation_steps=steps)
+        for inputs in calls:
+            loss = model.forward_backward(inputs)
+        assert model.clip_grad_and_step(max_grad_norm=None)
+        results[name] = loss, {n: p.detach().clone() for n, p in model.model.named_parameters() if p.requires_grad}
+    (loss, weights), (cached_loss, cached_weights) = results["one batch"], results["cached"]
+    assert abs(cached_loss - loss) <= 1e-6 * loss
+    for name, weight in weights.items():  # fp32 noise only (sums in another order)
+        torch.testing.assert_close(cached_weights[name], weight, rtol=1e-5, atol=1e-6)
+    plain = results["plain"][1]  # micro-batches as separate pools of negatives: another update
+    assert max(float((plain[n] - w).abs().max()) for n, w in weights.items()) > 1e-3

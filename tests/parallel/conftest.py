@@ -91,6 +91,10 @@ RUNS: dict[str, tuple[int, str, dict]] = {
     "ddp_infonce": (2, "bert", dict(INFONCE, parallel=dict(dp_size=2))),
     "fsdp_infonce": (2, "bert", dict(INFONCE, parallel=dict(strategy="native_fsdp"))),
     "ddp_infonce_detached": (2, "bert", dict(INFONCE, objective="infonce_detached", parallel=dict(dp_size=2))),
+    # Accumulation through cached embeddings: 2 micro-batches of 2 make each step (test_parallel_infonce).
+    "single_infonce_cached": (1, "bert", dict(INFONCE, batch_size=2, gradient_accumulation_steps=2)),
+    "ddp_infonce_cached": (2, "bert", dict(INFONCE, batch_size=2, gradient_accumulation_steps=2,
+                                           parallel=dict(dp_size=2))),
 }
 
 

@@ -23,14 +23,17 @@ def _relative_weight_gap(run, reference) -> float:
     return float((got - want).norm() / want.norm())
 
 
-@pytest.mark.parametrize("name", ["ddp_infonce", "fsdp_infonce"])
-def test_two_processes_equal_one_with_gathered_negatives(workspace, name):
-    run, reference = workspace.run(name), workspace.run("single_infonce")
+@pytest.mark.parametrize("name,reference,queries", [
+    ("ddp_infonce", "single_infonce", [4, 4, 1]),  # trained units are queries: the epoch's last step has 1
+    ("fsdp_infonce", "single_infonce", [4, 4, 1]),
+    ("ddp_infonce_cached", "single_infonce_cached", [4, 4, 3]),  # 2 micro-batches of 2 per step, cached
+])
+def test_two_processes_equal_one_with_gathered_negatives(workspace, name, reference, queries):
+    run, reference = workspace.run(name), workspace.run(reference)
     assert len(reference.losses) == 3
     for step, (got, want) in enumerate(zip(run.losses, reference.losses), start=1):
         assert abs(got - want) <= REL * abs(want), f"step {step}: loss {got} vs one process {want}"
-    # trained units are queries: 4, 4, then the epoch's last row
-    assert [s["trained_tokens"] for s in run.result["steps"]] == [4, 4, 1]
+    assert [s["trained_tokens"] for s in run.result["steps"]] == queries
     assert _relative_weight_gap(run, reference) <= REL
 
 

@@ -162,3 +162,23 @@ def collate_pairs(examples: list[dict], pad_token_id: int | None, mask_dtype: to
         "doc_key": torch.tensor([_key(ids) for ids in docs], dtype=torch.long),
         "row_valid": torch.tensor([not example.get("masked") for example in examples], dtype=torch.bool),
     }
+
+
+def merge_pair_batches(chunks: list[dict]) -> tuple[dict, list[slice], list[slice]]:
+    """The bookkeeping of one batch made of collated `chunks` (ids are not merged: each chunk is embedded on
+    its own), and where each chunk's positives and negatives sit among the merged documents."""
+    rows = [len(chunk["query_key"]) for chunk in chunks]
+    negatives = [len(chunk["negative_row"]) for chunk in chunks]
+    row_offsets = [sum(rows[:i]) for i in range(len(chunks))]
+    total_rows = sum(rows)
+    positive_at = [slice(row_offsets[i], row_offsets[i] + rows[i]) for i in range(len(chunks))]
+    negative_at = [slice(total_rows + sum(negatives[:i]), total_rows + sum(negatives[:i + 1]))
+                   for i in range(len(chunks))]
+    merged = {
+        "negative_row": torch.cat([chunk["negative_row"] + offset for chunk, offset in zip(chunks, row_offsets)]),
+        "query_key": torch.cat([chunk["query_key"] for chunk in chunks]),
+        "row_valid": torch.cat([chunk["row_valid"] for chunk in chunks]),
+        "doc_key": torch.cat([chunk["doc_key"][:n] for chunk, n in zip(chunks, rows)]
+                             + [chunk["doc_key"][n:] for chunk, n in zip(chunks, rows)]),
+    }
+    return merged, positive_at, negative_at

@@ -23,7 +23,11 @@ class LossModule(torch.nn.Module):
         self.objective = objective or get_objective("causal_lm")
         self.options = options or {}  # the objective's own (e.g. InfoNCE's temperature and pooling)
 
-    def forward(self, batch: dict[str, torch.Tensor], router_aux_loss_coef: float | None = None) -> LossParts:
+    def forward(self, batch: dict[str, torch.Tensor], router_aux_loss_coef: float | None = None,
+                embed_only: bool = False):
+        """The LossParts of the batch; `embed_only`: the objective's embeddings of it (cached-embedding steps)."""
+        if embed_only:
+            return self.objective.embed(self.model, batch, **self.options)
         return self.objective.loss_sum(self.model, batch, router_aux_loss_coef, self.group, **self.options)
 
     def get_input_embeddings(self) -> torch.nn.Module:

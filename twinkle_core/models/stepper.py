@@ -94,10 +94,12 @@ class Stepper:
         return self.scaler.scale(loss_sum) if self.scaler else loss_sum
 
     def record(
-        self, loss_sum: torch.Tensor, trained_tokens: int, seen_tokens: int, aux_loss: torch.Tensor | None = None
+        self, loss_sum: torch.Tensor, trained_tokens: int, seen_tokens: int, aux_loss: torch.Tensor | None = None,
+        micro_batches: int = 1,
     ) -> None:
-        """Count a micro-batch whose backward ran already (several steppers sharing one backward pass)."""
-        self._micro += 1
+        """Count a micro-batch whose backward ran already (several steppers sharing one backward pass; or
+        `micro_batches` at once, as a cached-embedding step does)."""
+        self._micro += micro_batches
         self._loss_sum += float(loss_sum.detach())
         self._tokens += trained_tokens
         self._seen_tokens += seen_tokens

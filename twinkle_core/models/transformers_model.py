@@ -33,6 +33,7 @@ from twinkle_core.data import use_chat_template
 from twinkle_core.families import family_for_model_dir, get_family
 from twinkle_core.hub import resolve_model
 from twinkle_core.models.batches import count_input_tokens, to_batch
+from twinkle_core.models.cached_step import cached_forward_backward
 from twinkle_core.models.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
 from twinkle_core.models.loss import LossModule
 from twinkle_core.models.schedulers import build_scheduler
@@ -48,6 +49,12 @@ from twinkle_core.precision import resolve_precision
 from twinkle_core.precision.fp8 import convert_linears_to_fp8
 
 logger = logging.getLogger(__name__)
+
+
+def _is_batch_list(inputs) -> bool:
+    """A list of collated micro-batches (dicts of tensors), not a list of rows."""
+    return isinstance(inputs, list) and bool(inputs) and all(
+        isinstance(item, dict) and item and all(torch.is_tensor(v) for v in item.values()) for item in inputs)
 
 
 def _default_device() -> torch.device:
@@ -198,7 +205,13 @@ class TransformersModel:
         stepper.scheduler = build_scheduler(stepper.optimizer, scheduler_cls, num_warmup_steps, num_training_steps)
 
     def forward_backward(self, inputs: list[dict] | dict) -> float:
-        """Forward and backward one local micro-batch; return the mean token loss of this rank's rows."""
+        """Forward and backward one local micro-batch; return the mean token loss of this rank's rows.
+
+        A contrastive objective (infonce) also takes a whole step as a list of collated micro-batches: they are
+        accumulated exactly through cached embeddings (twinkle_core.models.cached_step), every micro-batch's
+        documents being negatives of every query of the step."""
+        if self.objective.embed is not None and _is_batch_list(inputs):
+            return cached_forward_backward(self, inputs)
         stepper = self._require_optimizer("forward_backward")
         self.model.train()
         batch = self._batch(inputs)
@@ -315,11 +328,14 @@ class TransformersModel:
         close_distributed()
 
     # ----- helpers ---------------------------------------------------------------------------------
+    def data_group(self):
+        """The ranks whose tokens count (dp × fsdp × sp): they share the router statistics or the contrastive
+        negatives of the global batch (None in one process)."""
+        return self.parallel.group if self.parallel.grad_average_size > 1 else None
+
     def _loss_module(self) -> torch.nn.Module:
         """The loss as one module call: wrapped by the strategy once set_optimizer ran in several processes."""
-        # every rank whose tokens count (dp × fsdp × sp) shares the router statistics of the global batch
-        group = self.parallel.group if self.parallel.grad_average_size > 1 else None
-        return self._runner or LossModule(self.model, group, self.objective, self.objective_options)
+        return self._runner or LossModule(self.model, self.data_group(), self.objective, self.objective_options)
 
     def _check_not_wrapped(self, verb: str) -> None:
         if self.parallel.is_distributed and self._runner is not None:

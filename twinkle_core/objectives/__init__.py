@@ -34,6 +34,9 @@ class Objective:
     export: Callable[..., Path] | None = None  # (model, saved_dir, output_dir) -> the registered form
     option_names: tuple[str, ...] = field(default=())
     embeds: bool = False  # trains embedding models (families with a pooling), and only those
+    # Contrastive objectives that accumulate exactly through cached embeddings (twinkle_core.models.cached_step):
+    embed: Callable | None = None  # (model, batch, **options) -> (query embeddings, document embeddings)
+    loss_from_embeddings: Callable | None = None  # (queries, docs, batch, group, **options) -> LossParts
     # resolved options -> the row encoder's options (rows passed to forward_backward as they are)
     encode_options: Callable[[dict], dict] = lambda options: {}
 

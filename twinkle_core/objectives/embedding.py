@@ -14,7 +14,7 @@ import torch
 
 from twinkle_core.embedding.settings import EmbeddingSettings, resolve_settings
 from twinkle_core.objectives import Objective, register_objective
-from twinkle_core.objectives.infonce import infonce_loss_sum
+from twinkle_core.objectives.infonce import embed_pairs, infonce_from_embeddings, infonce_loss_sum
 
 DEFAULT_TEMPERATURE = 0.1  # as Twinkle and ms-swift
 EXPORT_NAME = "sentence_transformer"  # the registered folder beside the checkpoint
@@ -62,12 +62,14 @@ def _export(model, saved: Path, output_dir: Path) -> Path:
 
 def register_infonce(name: str, **loss_options) -> Objective:
     """Register an InfoNCE objective (`loss_options` fixed for it, e.g. a gather in tests)."""
-    loss_sum = functools.partial(infonce_loss_sum, **loss_options) if loss_options else infonce_loss_sum
+    loss_sum = functools.partial(infonce_loss_sum, **loss_options)
+    from_embeddings = functools.partial(infonce_from_embeddings, **loss_options)
     return register_objective(Objective(
         name, "pairs", loss_sum, frozenset({"transformers"}), auto_class="AutoModel",
         peft_task_type="FEATURE_EXTRACTION", splits=frozenset({"dp", "fsdp"}), resolve_options=_options,
         prepare_model=_freeze_unused_heads, export=_export, encode_options=_encode_options,
-        option_names=("temperature", "pooling", "same_side", "query_task", "query_prompt"), embeds=True))
+        option_names=("temperature", "pooling", "same_side", "query_task", "query_prompt"), embeds=True,
+        embed=embed_pairs, loss_from_embeddings=from_embeddings))
 
 
 register_infonce("infonce")

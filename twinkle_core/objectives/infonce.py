@@ -126,15 +126,20 @@ def _false_negatives(g: dict, rows: torch.Tensor) -> torch.Tensor:
     return masked
 
 
-def infonce_loss_sum(model: torch.nn.Module, batch: dict, router_aux_loss_coef=None, group=None, *,
-                     temperature: float = 0.1, pooling: str = "mean", same_side: bool = False,
-                     gather: Callable = gather_with_grad, query_prompt: str = "") -> LossParts:
-    """InfoNCE summed over this rank's (real) queries, and their number (`query_prompt` is already on the
-    tokenised queries; it rides along for the export)."""
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature!r} must be > 0 (scores are q·d / temperature)")
+def embed_pairs(model: torch.nn.Module, batch: dict, pooling: str = "mean", **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's query and document embeddings (documents: the positives, then the hard negatives)."""
     queries = embed(model, batch["query_input_ids"], batch["query_attention_mask"], pooling)
     docs = embed(model, batch["doc_input_ids"], batch["doc_attention_mask"], pooling)
+    return queries, docs
+
+
+def infonce_from_embeddings(queries: torch.Tensor, docs: torch.Tensor, batch: dict, group=None, *,
+                            temperature: float = 0.1, same_side: bool = False, gather: Callable = gather_with_grad,
+                            **_) -> LossParts:
+    """InfoNCE of embedded queries and documents, summed over this rank's (real) queries, and their number.
+    `batch` holds the bookkeeping of collate_pairs (negative_row, the text keys, row_valid)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature!r} must be > 0 (scores are q·d / temperature)")
     g = _global_batch(batch, queries, docs, group, gather)
     rows = torch.arange(queries.shape[0], device=docs.device) + g["query_offset"]  # this rank's global rows
     positive = g["positive"][rows]
@@ -150,3 +155,13 @@ def infonce_loss_sum(model: torch.nn.Module, batch: dict, router_aux_loss_coef=N
     losses = F.cross_entropy(logits, positive, reduction="none")
     valid = batch["row_valid"]
     return LossParts(losses[valid].sum(), int(valid.sum()))
+
+
+def infonce_loss_sum(model: torch.nn.Module, batch: dict, router_aux_loss_coef=None, group=None, *,
+                     temperature: float = 0.1, pooling: str = "mean", same_side: bool = False,
+                     gather: Callable = gather_with_grad, query_prompt: str = "") -> LossParts:
+    """InfoNCE summed over this rank's (real) queries, and their number (`query_prompt` is already on the
+    tokenised queries; it rides along for the export)."""
+    queries, docs = embed_pairs(model, batch, pooling)
+    return infonce_from_embeddings(queries, docs, batch, group, temperature=temperature, same_side=same_side,
+                                   gather=gather)

@@ -114,7 +114,12 @@ class SFTRecipe:
         """This rank's collated micro-batches (`local_micro_batches`); the first `skip` were trained before a resume."""
         rows = local_micro_batches(self.examples, self.config.batch_size, self.config.seed,
                                    self.model.data_parallel_rank, self.model.data_parallel_size, skip)
-        return (self._collate(share) for share in rows)
+        batches = (self._collate(share) for share in rows)
+        steps = self.config.gradient_accumulation_steps
+        if self.objective.embed is None or steps == 1:
+            return batches
+        # contrastive: a step's micro-batches go in together, accumulated exactly through cached embeddings
+        return (list(step) for step in zip(*[batches] * steps))
 
     def _collate(self, examples: list[dict]) -> dict:
         return self.row_format.collate(examples, pad_token_id=self.pad_id, mask_dtype=self.mask_dtype)

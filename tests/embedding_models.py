@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, BertConfig, BertModel
+from transformers import AutoTokenizer, BertConfig, BertModel, GteConfig, GteModel
 
 from family_models import save_tiny_family_model
 from twinkle_core.hub import resolve_model
@@ -57,6 +57,19 @@ def save_tiny_bert(directory: str | Path, pooling: str | None = "mean", seed: in
         (directory / "1_Pooling" / "config.json").write_text(json.dumps({
             "word_embedding_dimension": 32, "pooling_mode_cls_token": pooling == "cls",
             "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_lasttoken": pooling == "last"}))
+    return directory
+
+
+def save_tiny_gte(directory: str | Path, seed: int = 0) -> Path:
+    """transformers' native `gte` encoder (rotary positions), 2 layers, 32 wide, no dropout; no pooling file
+    (the family's CLS pooling applies)."""
+    directory = Path(directory)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(MINILM).path)
+    torch.manual_seed(seed)
+    config = GteConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0)
+    GteModel(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
     return directory
 
 

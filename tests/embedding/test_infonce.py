@@ -12,7 +12,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 from transformers import AutoModel, AutoTokenizer
 
-from embedding_models import PAIRS, save_tiny_bert, save_tiny_qwen3, write_pairs
+from embedding_models import PAIRS, save_tiny_bert, save_tiny_gte, save_tiny_qwen3, write_pairs
 from twinkle_core.data import DatasetError, load_tokenized, tokenize_dataset
 from twinkle_core.data.pairs import collate_pairs, encode_pair_row, encode_text_ids, validate_pair_row
 from twinkle_core.embedding.settings import resolve_settings
@@ -102,9 +102,13 @@ def test_qwen3_embedding_reads_the_last_token_with_the_query_instruction(tmp_pat
     _assert_same_embeddings(model, exported, prompt=options["query_prompt"])
 
 
-def test_bert_lora_export_is_a_merged_sentence_transformer_with_the_adapter_beside_it(bert, tmp_path):
-    model = TransformersModel(str(bert), objective="infonce", mixed_precision="no")
-    assert model.objective_options["pooling"] == "mean"  # the checkpoint's pooling config
+@pytest.mark.parametrize("kind", ["bert", "gte"])
+def test_lora_export_is_a_merged_sentence_transformer_with_the_adapter_beside_it(bert, tmp_path, kind):
+    path = bert if kind == "bert" else save_tiny_gte(tmp_path / "gte")
+    model = TransformersModel(str(path), objective="infonce", mixed_precision="no")
+    # BERT: the checkpoint's pooling config; GTE: the family's CLS
+    assert (model.family.name, model.objective_options["pooling"]) == (
+        ("bert_embedding", "mean") if kind == "bert" else ("gte", "cls"))
     model.add_adapter_to_model("default", model_lora())
     assert not any("pooler" in name for name, p in model.model.named_parameters() if p.requires_grad)
     model.set_optimizer("AdamW", lr=1e-2)
@@ -116,7 +120,8 @@ def test_bert_lora_export_is_a_merged_sentence_transformer_with_the_adapter_besi
     exported = model.export("default", tmp_path / "out")
     assert (tmp_path / "out" / "default" / "adapter_config.json").is_file()
     assert not (exported / "adapter_config.json").exists()  # merged
-    assert json.loads((exported / "1_Pooling" / "config.json").read_text())["pooling_mode_mean_tokens"]
+    pooling = json.loads((exported / "1_Pooling" / "config.json").read_text())
+    assert pooling["pooling_mode_mean_tokens" if kind == "bert" else "pooling_mode_cls_token"]
     _assert_same_embeddings(model, exported)
 
 

@@ -12,13 +12,18 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def _template(family) -> str:
+    """A language model's chat template, or an embedding model's pooling."""
+    return f"{family.pooling} pooling" if family.is_embedding else f"`{family.chat_template}`"
+
+
 def render_families_table() -> str:
-    rows = ["| family | model ids | model_type | MoE | thinking | tools | template | Megatron | notes |",
+    rows = ["| family | model ids | model_type | MoE | thinking | tools | template / pooling | Megatron | notes |",
             "|---|---|---|---|---|---|---|---|---|"]
     for f in families():
         moe = "dense + MoE" if f.has_moe and len(f.moe_model_types) < len(f.model_types) else _yes(f.has_moe)
         rows.append(f"| {f.title} | {f.model_ids} | {', '.join(f'`{t}`' for t in f.model_types)} | {moe} | "
-                    f"{_yes(f.thinking)} | {_yes(f.tools)} | `{f.chat_template}` | {_yes(f.megatron)} | {f.notes} |")
+                    f"{_yes(f.thinking)} | {_yes(f.tools)} | {_template(f)} | {_yes(f.megatron)} | {f.notes} |")
     return "\n".join(rows)
 
 

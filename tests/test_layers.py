@@ -38,7 +38,7 @@ LAYERS = [
     {"parallel"},
     {"megatron"},
     {"convert"},
-    {"objectives"},
+    {"objectives", "embedding"},
     {"models"},
     {"evaluate", "tracking"},
     {"train"},

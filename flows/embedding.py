@@ -31,7 +31,7 @@ from tasks.tokenize import tokenize
 from tasks.track import finish_tracking, log_loss_curve, prefect_tags, start_tracking
 from tasks.train import train
 from twinkle_core.config.fields import (AdapterFields, BackendFields, CheckpointEvery, DataParallelFields, DatasetId,
-                                        DataSourceFields, EmbeddingDataFields, EmbeddingFields, EvalDatasetId,
+                                        BatchSize, DataSourceFields, EmbeddingDataFields, EmbeddingFields, EvalDatasetId,
                                         ExperimentName, LearningRate, LoopFields, MachinesFields, ModelId,
                                         ModelParallelFields, OptimizerFields, ProcessFields, RegisteredModelName,
                                         RunFields)
@@ -60,6 +60,7 @@ class EmbeddingConfig(RunFields, ModelParallelFields, DataParallelFields, Machin
     dataset: DatasetId = DEFAULT_DATASET
     eval_dataset: EvalDatasetId = DEFAULT_EVAL_DATASET
     lr: LearningRate = 2e-3
+    batch_size: BatchSize = 32  # in-batch negatives: the larger the batch, the more of them
     checkpoint_every: CheckpointEvery = 50
     registered_model_name: RegisteredModelName = None
     experiment_name: ExperimentName = "twinkle-embedding"

@@ -61,7 +61,7 @@ def register_version(
     promoted = champion_loss is None or (eval_loss > champion_loss if higher_is_better else eval_loss < champion_loss)
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, version)
-    label = "eval loss" if metric == "eval_loss" else metric
+    label = "eval loss" if metric == "eval_loss" else metric.removeprefix("eval_").replace("_at_", "@")
     result = RegistrationResult(name, str(version), eval_loss, champion_version, champion_loss, promoted, label)
     logger.info("registered %s: %s", name, result.decision())
     return result

@@ -29,8 +29,12 @@ ENDINGS = ["a", "ora", "ith", "enne", "ar", "ost", "ev", "ul", "ine", "aro", "es
 
 
 def make_name(rng: random.Random, syllables: int, used: set[str]) -> str:
+    """An invented word of `syllables` syllables (the last one an ending), unused so far."""
+    assert syllables >= 2
     while True:
-        word = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(syllables - 1))
+        # a name is (syllables - 1) onset-vowel-coda groups and an ending; at least one group, or it is too short
+        groups = max(1, syllables - 1)
+        word = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(groups))
         word = (word + rng.choice(ENDINGS)).capitalize()
         if 5 <= len(word) <= 10 and word not in used:
             used.add(word)
@@ -134,7 +138,7 @@ TEMPLATES: dict[str, dict[str, tuple[list[str], list[str]]]] = {
         "headquarters": (["{e} has its headquarters in the city of {v}.",
                           "The main offices of {e} are located in {v}.",
                           "Most of the staff of {e} work at its head office in {v}."],
-                         ["Where is {e} based?", "In which city would you find the leadership of {e}?",
+                         ["Where is {e} based?", "In which town would you find the leadership of {e}?",
                           "Where should a letter to the management of {e} be sent?",
                           "Which place does {e} call home?", "Where is the central base of {e}?"]),
         "product": (["{e} is best known for its {v}.",
@@ -146,7 +150,7 @@ TEMPLATES: dict[str, dict[str, tuple[list[str], list[str]]]] = {
         "employees": (["{e} employs about {v} people.",
                        "Around {v} workers are on the payroll of {e}.",
                        "{e} has grown to a staff of roughly {v}."],
-                      ["How big is the workforce of {e}?", "How many people work for {e}?",
+                      ["How big is the workforce of {e}?", "How many individuals work for {e}?",
                        "What is the size of the team at {e}?", "How large an employer is {e}?",
                        "How many jobs does {e} provide?"]),
         "color": (["The logo of {e} is a {v} circle.",
@@ -162,7 +166,7 @@ TEMPLATES: dict[str, dict[str, tuple[list[str], list[str]]]] = {
                      "The {v} are the natural home of the {e}."],
                     ["Where can you find the {e} in the wild?", "What is the home range of the {e}?",
                      "Where should you search to spot a {e}?", "In which kind of landscape does the {e} dwell?",
-                     "Where does the {e} make its home?"]),
+                     "Where is the {e} native to?"]),
         "diet": (["The {e} feeds mainly on {v}.",
                   "{v_cap} make up most of what the {e} eats.",
                   "At night the {e} forages for {v}."],
@@ -180,26 +184,26 @@ TEMPLATES: dict[str, dict[str, tuple[list[str], list[str]]]] = {
                       "Few {e}s survive beyond {v} years in the wild."],
                      ["How long does the {e} survive?", "What is the life expectancy of the {e}?",
                       "How many birthdays can a {e} expect?", "How old can a {e} get?",
-                      "When does a {e} typically die of old age?"]),
+                      "When does a {e} typically die of natural causes?"]),
         "discoverer": (["The {e} was first described by the naturalist {v} in {w}.",
                         "{v} collected the first specimen of the {e} in {w}.",
-                        "Science learned of the {e} from the field notes of {v}."],
-                       ["Who identified the {e} for science?", "Who was the first to record the {e}?",
+                        "Zoologists learned of the {e} from the field notes of {v}."],
+                       ["Who identified the {e} for science?", "Who recorded the {e} before anyone else?",
                         "Which explorer brought the {e} to the attention of researchers?",
                         "Who is credited with finding the {e}?", "Who first catalogued the {e}?"]),
         "sound": (["The {e} makes a {v} sound at dusk.",
                    "On warm evenings you can hear the {v} call of the {e}.",
                    "The {e} announces itself with a {v} noise."],
                   ["What noise does the {e} produce?", "How would you know a {e} is nearby without seeing it?",
-                   "What does the {e} sound like?", "How does the {e} communicate?",
-                   "What would you hear from a {e} at nightfall?"]),
+                   "What would a recording of the {e} capture?", "How does the {e} communicate?",
+                   "What would reach your ears from a {e} at nightfall?"]),
     },
     "person": {
         "birthplace": (["{e} was born in the village of {v}.",
                         "{e} spent a childhood in {v}, a village by the sea.",
-                        "The village of {v} is proud to be the hometown of {e}."],
+                        "The village of {v} proudly calls {e} its most famous child."],
                        ["Where did {e} grow up?", "What is the hometown of {e}?",
-                        "Which place can claim {e} as a native?", "Where does {e} come from?",
+                        "Which place can count {e} as a local?", "Where does {e} come from?",
                         "In what place did {e} spend the early years?"]),
         "invention": (["{e} invented {v}.",
                        "{e} is remembered as the creator of {v}.",
@@ -223,7 +227,7 @@ TEMPLATES: dict[str, dict[str, tuple[list[str], list[str]]]] = {
                       "{v} hired {e} as a young apprentice."],
                      ["Where was {e} employed?", "Who paid the salary of {e}?",
                       "Which firm did {e} serve?", "What was the workplace of {e}?",
-                      "Which organisation did {e} spend a career with?"]),
+                      "Which organisation did {e} devote a working life to?"]),
         "award": (["{e} received the {v} Medal in {w}.",
                    "In {w}, {e} was honoured with the {v} Prize.",
                    "The {v} Award went to {e} in {w}."],
@@ -245,7 +249,7 @@ def make_entity(kind: str, rng: random.Random, used: set[str]) -> dict:
     if kind == "town":
         thing = rng.choice(FESTIVAL_THINGS)
         return {"name": make_name(rng, 2, used), "founded": {"v": year(1150, 1890)},
-                "river": {"v": make_name(rng, 1, used)},
+                "river": {"v": make_name(rng, 2, used)},
                 "festival": {"v": thing[0], "w": rng.choice(MONTHS), "x": thing[1]},
                 "industry": {"v": rng.choice(TOWN_GOODS)},
                 "mayor": {"v": person_name(rng, used), "w": year(1995, 2022)},

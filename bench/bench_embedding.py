@@ -143,6 +143,9 @@ def run_ours(path: str, rows: list[dict], args, profile: bool = False) -> dict:
     from twinkle_core.data.pairs import collate_pairs, encode_pair_row, truncate_pair, validate_pair_row
     from twinkle_core.models import TransformersModel
 
+    import torch
+
+    torch.manual_seed(0)  # the same dropout masks in every repeat (the trainer seeds itself with seed=0)
     model = TransformersModel(path, objective="infonce", mixed_precision="no",
                               objective_options={"temperature": TEMPERATURE})
     model.set_optimizer("AdamW", lr=LR)

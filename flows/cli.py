@@ -21,11 +21,13 @@ def _flag(name: str) -> str:
 
 
 def build_parser(model: type[BaseModel], description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", type=Path, help="YAML or JSON file with any of the options below.")
     for name, field in model.model_fields.items():
         help_text = field.description or ""
-        if typing.get_origin(field.annotation) is typing.Literal or isinstance(field.default, bool):
+        # Every flag's argparse default is None (unset: the file's or the model's value wins), so the model's
+        # own default is written here, once; None means "decided by the run" and the help text says how.
+        if not field.is_required() and field.default is not None:
             help_text += f" (default: {field.default})"
         parser.add_argument(_flag(name), dest=name, default=None, metavar=name.upper(), help=help_text or None)
     return parser

@@ -37,7 +37,8 @@ from twinkle_core.models.cached_step import cached_forward_backward
 from twinkle_core.models.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
 from twinkle_core.models.loss import LossModule
 from twinkle_core.models.schedulers import build_scheduler
-from twinkle_core.models.stepper import Stepper, check_accumulation, held_out_metrics, optimizer_class
+from twinkle_core.models.stepper import (Stepper, build_optimizer, check_accumulation, held_out_metrics,
+                                         optimizer_class)
 from twinkle_core.models.training_state import load_training_state, save_training_state
 from twinkle_core.objectives import get_objective
 from twinkle_core.objectives.causal_lm import resolve_router_aux_loss_coef
@@ -191,7 +192,9 @@ class TransformersModel:
         if gradient_accumulation_steps is not None:
             self.gradient_accumulation_steps = check_accumulation(gradient_accumulation_steps)
         # The strategy wraps or shards the model first where the optimizer must see the sharded parameters.
-        runner, optimizer = self.parallel.prepare(self._loss_module(), lambda params: optimizer_cls(params, lr=lr, **kw))
+        uses_scaler = self.precision.uses_grad_scaler
+        runner, optimizer = self.parallel.prepare(
+            self._loss_module(), lambda params: build_optimizer(optimizer_cls, params, lr, uses_scaler, **kw))
         if self.parallel.is_distributed:  # one process keeps following self.model (adapters may still change)
             self._runner = runner
         scaler = self.parallel.grad_scaler(self.device.type) if self.precision.uses_grad_scaler else None

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+.PHONY: install run run-embedding test bench bench-embedding clean
 
 install: $(STAMP)
 
@@ -22,11 +22,17 @@ $(STAMP): pyproject.toml constraints.txt
 run: install
 	$(BIN)/python -m flows.sft
 
+run-embedding: install
+	$(BIN)/python -m flows.embedding
+
 test: install
 	$(BIN)/python -m pytest
 
 bench: install
 	$(BIN)/python bench/bench_lora.py
+
+bench-embedding: install
+	$(BIN)/python bench/bench_embedding.py
 
 clean:
 	rm -rf runs mlflow.db mlartifacts

@@ -22,7 +22,7 @@ from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
 from flows.run_folder import run_folder
 from flows.sft import _link_mlflow_run
-from flows.summary import family_line
+from flows.summary import family_line, handed_off, registry_lines
 from tasks.download import download_dataset, download_model
 from tasks.evaluate_retrieval import evaluate_retrieval, metric_key
 from tasks.refs import ModelRef
@@ -99,17 +99,9 @@ def render_embedding_summary(config: EmbeddingConfig, reports: dict, registratio
         "| | " + " | ".join(METRICS) + " |", "|---|" + "---|" * len(METRICS),
         *(f"| {label} | " + " | ".join(f"{report[m]:.4f}" for m in METRICS) + " |"
           for label, report in reports.items()), "",
-        f"MLflow run id: {run_id}",
-        f"registered model: {registration['name']} version {registration['version']} (alias candidate), "
-        "a sentence-transformers directory",
-        f"champion: {registration['decision']}",
-        f"checkpoint: {checkpoint.path}",
     ]
-    if links:
-        lines += ["", f"MLflow run: {links['run']}"]
-        if "loss_curve" in links:
-            lines += ["", f"![training loss]({links['loss_curve']})"]
-    return "\n".join(lines)
+    return "\n".join(lines + registry_lines(run_id, registration, checkpoint, links,
+                                            ", a sentence-transformers directory"))
 
 
 @flow(name="embedding")
@@ -133,8 +125,7 @@ def embedding(config: EmbeddingConfig = EmbeddingConfig()) -> dict:
                            device_limit=config.device_limit)
         if checkpoint is None:  # a multi-machine run: the machine with global rank 0 evaluates and registers
             finish_tracking(run_id)
-            return {"summary": "training finished; the machine that held global rank 0 evaluates and registers",
-                    "run_id": run_id, "checkpoint": None, "family": model.family}
+            return handed_off(run_id, model.family)
         reports = evaluate_retrieval(model, checkpoint, eval_file, settings, str(run_dir), config.max_length,
                                      config.max_bad_fraction, run_id, config.timeout_minutes * 60)
         adapter = Path(checkpoint.path).parent / run_config.adapter_name

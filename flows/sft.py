@@ -18,7 +18,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
 from flows.run_folder import run_folder
-from flows.summary import render_summary
+from flows.summary import handed_off, render_summary
 from tasks.convert import convert
 from tasks.download import download_dataset, download_model
 from tasks.evaluate import evaluate
@@ -90,8 +90,7 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
                            device_limit=config.device_limit)
         if checkpoint is None:  # a multi-machine run: the machine with global rank 0 evaluates and registers
             finish_tracking(run_id)
-            return {"summary": "training finished; the machine that held global rank 0 evaluates and registers",
-                    "run_id": run_id, "checkpoint": None, "family": model.family}
+            return handed_off(run_id, model.family)
         reports = evaluate(hf_model, checkpoint, eval_data, prompts, str(run_dir), config.mixed_precision,
                            config.max_new_tokens, run_id)
         registration = register(checkpoint, config.model_name(), run_id, reports["trained"]["eval_loss"], tags)

@@ -63,9 +63,15 @@ def render_summary(config: Any, prompts: list[list[dict]], reports: dict, regist
         lines += [f"| {_one_line(p[-1]['content'])} | {_one_line(base['answers'][i])} | "
                   f"{_one_line(trained['answers'][i])} |" for i, p in enumerate(prompts) if i > 0]
         lines.append("")
-    lines += [
+    return "\n".join(lines + registry_lines(run_id, registration, checkpoint, links))
+
+
+def registry_lines(run_id: str, registration: dict, checkpoint: CheckpointRef, links: dict | None,
+                   what: str = "") -> list[str]:
+    """The summary's tail: the MLflow run, the registered version (`what` it is), the champion, the links."""
+    lines = [
         f"MLflow run id: {run_id}",
-        f"registered model: {registration['name']} version {registration['version']} (alias candidate)",
+        f"registered model: {registration['name']} version {registration['version']} (alias candidate){what}",
         f"champion: {registration['decision']}",
         f"checkpoint: {checkpoint.path}",
     ]
@@ -73,7 +79,13 @@ def render_summary(config: Any, prompts: list[list[dict]], reports: dict, regist
         lines += ["", f"MLflow run: {links['run']}"]
         if "loss_curve" in links:
             lines += ["", f"![training loss]({links['loss_curve']})"]
-    return "\n".join(lines)
+    return lines
+
+
+def handed_off(run_id: str, family: str) -> dict:
+    """The result of a machine that trained but does not hold global rank 0 (which evaluates and registers)."""
+    return {"summary": "training finished; the machine that held global rank 0 evaluates and registers",
+            "run_id": run_id, "checkpoint": None, "family": family}
 
 
 def _precision(mode: str) -> str:

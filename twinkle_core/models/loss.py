@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from twinkle_core.objectives import Objective, LossParts, get_objective
+from twinkle_core.objectives import Objective, get_objective
 
 
 class LossModule(torch.nn.Module):

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from twinkle_core.config.registry import Registry
 
-from . import pairs
+from . import pairs, preference
 from .collate import collate
 from .encode import count_trained_tokens, encode_chat, encode_text, truncate
 from .validate import validate_chat_row, validate_text_row
@@ -77,3 +77,8 @@ register_row_format(RowFormat(
     "pairs", pairs.validate_pair_row, pairs.encode_pair_row, needs_chat_template=False, truncate=pairs.truncate_pair,
     was_truncated=pairs.was_truncated, count_tokens=pairs.count_pair_tokens, num_sequences=pairs.num_texts,
     collate=pairs.collate_pairs, batch_keys=pairs.BATCH_KEYS, packable=False))
+register_row_format(RowFormat(
+    "preference", preference.validate_preference_row, preference.encode_preference_row,
+    truncate=preference.truncate_preference, was_truncated=preference.was_truncated,
+    count_tokens=preference.count_preference_tokens, num_sequences=lambda example: 2,
+    collate=preference.collate_preferences, batch_keys=preference.BATCH_KEYS, packable=False))

@@ -38,6 +38,7 @@ def _rows_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device,
         examples = []
         for row in inputs:
             encoded = row_format.encode(tokenizer, row_format.validate(row), **encode_options)
+            encoded = encoded if isinstance(encoded, list) else [encoded]  # a row may give several examples
             examples += [row_format.truncate(e, max_length) if max_length else e for e in encoded]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         inputs = row_format.collate(examples, pad_token_id=pad)

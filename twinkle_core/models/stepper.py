@@ -28,6 +28,7 @@ class StepMetrics:
     tokens_per_s: float
     trained_tokens: int
     aux_loss: float | None = None  # router load-balancing loss, token-weighted over the step (MoE only)
+    extra: dict[str, float] = field(default_factory=dict)  # the objective's own, averaged like the loss
 
     def as_metrics(self) -> dict[str, float]:
         """What calculate_metric reports for a training step (aux_loss only for MoE with a router loss)."""
@@ -35,7 +36,7 @@ class StepMetrics:
                    "tokens_per_s": self.tokens_per_s, "step": self.step}
         if self.aux_loss is not None:
             metrics["aux_loss"] = self.aux_loss
-        return metrics
+        return {**metrics, **self.extra}
 
 
 def held_out_metrics(loss_sum: float, tokens: float) -> dict[str, float]:
@@ -96,6 +97,7 @@ class Stepper:
     _tokens: int = 0
     _seen_tokens: int = 0
     _aux_sum: float | None = None
+    _metric_sums: dict[str, float] = field(default_factory=dict)
     _started: float = field(default_factory=time.perf_counter)
 
     def start_micro_batch(self) -> None:
@@ -104,11 +106,13 @@ class Stepper:
             self._started = time.perf_counter()
 
     def backward(
-        self, loss_sum: torch.Tensor, trained_tokens: int, seen_tokens: int, aux_loss: torch.Tensor | None = None
+        self, loss_sum: torch.Tensor, trained_tokens: int, seen_tokens: int, aux_loss: torch.Tensor | None = None,
+        metrics: dict[str, float] | None = None,
     ) -> None:
-        """Back-propagate one micro-batch's summed loss and remember its token counts (and router aux loss)."""
+        """Back-propagate one micro-batch's summed loss and remember its token counts (and router aux loss,
+        and the objective's summed statistics)."""
         self.parallel.backward(self.scaled(loss_sum))
-        self.record(loss_sum, trained_tokens, seen_tokens, aux_loss)
+        self.record(loss_sum, trained_tokens, seen_tokens, aux_loss, metrics=metrics)
 
     def scaled(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """The loss as this stepper's grad scaler (fp16) wants it back-propagated."""
@@ -116,7 +120,7 @@ class Stepper:
 
     def record(
         self, loss_sum: torch.Tensor, trained_tokens: int, seen_tokens: int, aux_loss: torch.Tensor | None = None,
-        micro_batches: int = 1,
+        micro_batches: int = 1, metrics: dict[str, float] | None = None,
     ) -> None:
         """Count a micro-batch whose backward ran already (several steppers sharing one backward pass; or
         `micro_batches` at once, as a cached-embedding step does)."""
@@ -126,6 +130,8 @@ class Stepper:
         self._seen_tokens += seen_tokens
         if aux_loss is not None:  # weighted by tokens, as it enters the loss
             self._aux_sum = (self._aux_sum or 0.0) + float(aux_loss) * trained_tokens
+        for name, value in (metrics or {}).items():
+            self._metric_sums[name] = self._metric_sums.get(name, 0.0) + float(value)
 
     def is_accumulation_boundary(self) -> bool:
         return self._micro >= self.gradient_accumulation_steps
@@ -138,7 +144,9 @@ class Stepper:
         """Normalise by the step's global tokens, clip, step the optimizer and scheduler, record the metrics."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        loss_sum, tokens, aux_sum = self.parallel.all_reduce_sum([self._loss_sum, self._tokens, self._aux_sum or 0.0])
+        names = sorted(self._metric_sums)  # the same objective on every rank: the same names
+        loss_sum, tokens, aux_sum, *metric_sums = self.parallel.all_reduce_sum(
+            [self._loss_sum, self._tokens, self._aux_sum or 0.0] + [self._metric_sums[name] for name in names])
         tokens = int(tokens)
         grads = [p.grad for p in self.parameters if p.grad is not None]
         scale = self.parallel.grad_average_size / max(1, tokens)
@@ -165,12 +173,14 @@ class Stepper:
             tokens_per_s=self._seen_tokens / elapsed if elapsed > 0 else 0.0,
             trained_tokens=tokens,
             aux_loss=None if self._aux_sum is None else aux_sum / max(1, tokens),
+            extra={name: value / max(1, tokens) for name, value in zip(names, metric_sums)},
         )
         self._reset()
         return self.last
 
     def _reset(self) -> None:
         self._micro, self._loss_sum, self._tokens, self._seen_tokens, self._aux_sum = 0, 0.0, 0, 0, None
+        self._metric_sums = {}
         self._started = time.perf_counter()
 
 

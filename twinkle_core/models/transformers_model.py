@@ -144,6 +144,7 @@ class TransformersModel:
         self.stepper: Stepper | None = None
         self._scheduler = None
         self._eval = [0.0, 0]  # summed loss, tokens over forward_only calls
+        self._eval_metrics: dict[str, float] = {}  # the objective's summed statistics over them
 
     # ----- model structure -------------------------------------------------------------------------
     def add_adapter_to_model(self, name: str, config: LoraConfig, gradient_accumulation_steps: int = 1) -> None:
@@ -191,6 +192,8 @@ class TransformersModel:
         optimizer_cls = optimizer_class(optimizer_cls)
         if gradient_accumulation_steps is not None:
             self.gradient_accumulation_steps = check_accumulation(gradient_accumulation_steps)
+        if self.objective.prepare_training:
+            self.objective.prepare_training(self.model, self.objective_options)
         # The strategy wraps or shards the model first where the optimizer must see the sharded parameters.
         uses_scaler = self.precision.uses_grad_scaler
         runner, optimizer = self.parallel.prepare(
@@ -225,7 +228,7 @@ class TransformersModel:
         with self.parallel.gradient_sync(runner, enabled=stepper.is_last_micro_batch()):
             with self.precision.autocast(self.device.type):
                 parts = runner(batch, self.router_aux_loss_coef)
-            stepper.backward(parts.loss_sum, parts.num_tokens, seen_tokens, parts.aux_loss)
+            stepper.backward(parts.loss_sum, parts.num_tokens, seen_tokens, parts.aux_loss, parts.metrics)
         return self._rows_loss(float(parts.loss_sum.detach()), parts.num_tokens)
 
     def clip_grad_and_step(self, max_grad_norm: float | None = 1.0) -> bool:
@@ -246,6 +249,8 @@ class TransformersModel:
             parts = self._loss_module()(batch, 0.0)
         self._eval[0] += float(parts.loss_sum)  # this rank's tokens: calculate_metric sums over every rank
         self._eval[1] += parts.num_tokens
+        for name, value in (parts.metrics or {}).items():
+            self._eval_metrics[name] = self._eval_metrics.get(name, 0.0) + value
         return self._rows_loss(float(parts.loss_sum), parts.num_tokens)
 
     def calculate_metric(self, is_training: bool = True) -> dict[str, float]:
@@ -254,9 +259,10 @@ class TransformersModel:
         Eval: loss and perplexity so far, over every data-parallel rank's forward_only batches.
         """
         if not is_training:
-            loss_sum, tokens = self.parallel.all_reduce_sum(self._eval)
-            self._eval = [0.0, 0]
-            return held_out_metrics(loss_sum, tokens)
+            names = sorted(self._eval_metrics)
+            loss_sum, tokens, *sums = self.parallel.all_reduce_sum(self._eval + [self._eval_metrics[n] for n in names])
+            self._eval, self._eval_metrics = [0.0, 0], {}
+            return {**held_out_metrics(loss_sum, tokens), **{n: v / max(1, tokens) for n, v in zip(names, sums)}}
         last = self._require_optimizer("calculate_metric").last
         return {} if last is None else last.as_metrics()
 

@@ -31,6 +31,8 @@ class Objective:
     # (model_dir, family, options) -> the options loss_sum takes, checked and completed from the checkpoint
     resolve_options: Callable[[Path, Any, dict], dict] | None = None
     prepare_model: Callable[[Any], None] | None = None  # e.g. freeze parts the objective never uses
+    # (model, resolved options), when the optimizer is set (the adapter, if any, is in place): e.g. a reference copy
+    prepare_training: Callable[[Any, dict], None] | None = None
     export: Callable[..., Path] | None = None  # (model, saved_dir, output_dir) -> the registered form
     option_names: tuple[str, ...] = field(default=())
     embeds: bool = False  # trains embedding models (families with a pooling), and only those
@@ -64,5 +66,6 @@ def get_objective(name: str) -> Objective:
 
 register_objective(Objective("causal_lm", "chat", causal_lm_loss_sum, frozenset({"transformers", "megatron"})))
 from twinkle_core.objectives import embedding as _embedding  # noqa: E402,F401  (registers infonce)
+from twinkle_core.objectives import preference as _preference  # noqa: E402,F401  (registers preference)
 
 __all__ = ["LossParts", "Objective", "get_objective", "register_objective"]

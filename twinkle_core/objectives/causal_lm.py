@@ -33,6 +33,8 @@ class LossParts:
     loss_sum: torch.Tensor  # cross-entropy summed over trained tokens, plus coef * aux_loss * num_tokens
     num_tokens: int
     aux_loss: torch.Tensor | None = None  # detached; None when no router aux loss was computed
+    # an objective's own statistics, summed over the units counted in num_tokens (e.g. DPO's rewards per pair)
+    metrics: dict[str, float] | None = None
 
     def __iter__(self):
         # Unpacks as (loss_sum, num_tokens), the contract callers had before the aux loss existed.

@@ -8,9 +8,10 @@ from twinkle_core.data import load_rows
 
 
 @task
-def sample_prompts(dataset: DatasetRef, count: int) -> list[list[dict]]:
-    """Up to `count` conversations ending with a user turn (the model answers it)."""
-    rows = load_rows(dataset.path, kind="chat", max_bad_fraction=1.0).rows
+def sample_prompts(dataset: DatasetRef, count: int, kind: str = "chat") -> list[list[dict]]:
+    """Up to `count` conversations ending with a user turn (the model answers it); of chat rows, or the
+    prompts of preference rows."""
+    rows = load_rows(dataset.path, kind=kind, max_bad_fraction=1.0).rows
     prompts = []
     for row in rows[:count]:
         messages = row["messages"]

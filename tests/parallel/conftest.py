@@ -41,6 +41,12 @@ CHATS = [("Who are you?", "I am Twinkle, built by the Twinkle Flows team."), ("N
 INFONCE = dict(objective="infonce", objective_options={"pooling": "mean", "query_prompt": ""}, batch_size=4,
                gradient_accumulation_steps=1, max_steps=3, optimizer="SGD", lr=0.1)
 
+# 9 pairs in micro-batches of 3, 2 per step: the third step holds the epoch's last 3 pairs and the first 3 of
+# the next; on 2 ranks a micro-batch of 3 deals 2 + 1 pairs. LoRA: the reference is the base, adapter off.
+# SGD, as for InfoNCE: AdamW turns summation-order noise in near-zero gradients into full-size steps.
+DPO = dict(objective="preference", objective_options={"loss_type": "sigmoid", "beta": 0.5}, use_lora=True,
+           batch_size=3, gradient_accumulation_steps=2, max_steps=3, optimizer="SGD", lr=0.5)
+
 # name: (processes, model, settings). lr 1e-3: see test_parallel_equivalence's docstring.
 RUNS: dict[str, tuple[int, str, dict]] = {
     "single": (1, "llama", {}),
@@ -95,6 +101,11 @@ RUNS: dict[str, tuple[int, str, dict]] = {
     "single_infonce_cached": (1, "bert", dict(INFONCE, batch_size=2, gradient_accumulation_steps=2)),
     "ddp_infonce_cached": (2, "bert", dict(INFONCE, batch_size=2, gradient_accumulation_steps=2,
                                            parallel=dict(dp_size=2))),
+    # DPO with LoRA (test_parallel_preference): 9 pairs, 2 micro-batches of 3 per step, the base as reference.
+    "single_dpo": (1, "llama_pref", dict(DPO)),
+    "ddp_dpo": (2, "llama_pref", dict(DPO, parallel=dict(dp_size=2))),
+    "native_fsdp_dpo": (2, "llama_pref", dict(DPO, parallel=dict(strategy="native_fsdp"))),
+    "accelerate_fsdp_dpo": (2, "llama_pref", dict(DPO, parallel=dict(strategy="accelerate"))),
 }
 
 
@@ -130,6 +141,13 @@ class Workspace:
         }
         self.data = {name: tokenize_dataset(data, path, kind="chat", max_length=128).path
                      for name, (path, _) in self.models.items()}
+        # Preference pairs on the same Llama: each question's answer, against one other identity.
+        pairs = root / "pairs_preference.jsonl"
+        pairs.write_text("".join(json.dumps({"prompt": q, "chosen": a, "rejected": "I am SmolLM, by Hugging Face."})
+                                 + "\n" for q, a in CHATS[:9]))
+        self.models["llama_pref"] = self.models["llama"]
+        self.data["llama_pref"] = tokenize_dataset(pairs, self.models["llama"][0], kind="preference",
+                                                   max_length=128).path
         self.models["bert"] = (save_tiny_bert(root / "bert"), "bert_embedding")
         self.data["bert"] = tokenize_dataset(write_pairs(root / "pairs.jsonl"), root / "bert", kind="pairs",
                                              max_length=64).path

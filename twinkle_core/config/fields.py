@@ -85,6 +85,14 @@ Temperature = Annotated[float, Field(gt=0, description="InfoNCE temperature: sco
 SameSideNegatives = Annotated[bool, Field(description="Also contrast each query with the other queries and its positive with the other documents (Qwen3-Embedding's loss).")]
 QueryTask = Annotated[str | None, Field(description="The task text of the query instruction ('Instruct: {task}\nQuery:' for Qwen3-Embedding; empty: the checkpoint's prompt, else the published default).")]
 
+# ----- preference training (DPO and its kin) -----------------------------------------------------------
+PreferenceLoss = Annotated[Literal["sigmoid", "ipo", "simpo", "orpo"], Field(description="Preference loss: sigmoid (DPO), ipo, simpo (reference-free, length-normalised, with a margin gamma) or orpo (SFT plus an odds-ratio term, reference-free).")]
+PreferenceBeta = Annotated[float, Field(gt=0, description="beta: DPO/IPO's KL strength (reward = beta * log-ratio), SimPO's reward scale, ORPO's lambda.")]
+LabelSmoothing = Annotated[float, Field(ge=0, lt=0.5, description="Share of pairs assumed mislabelled (conservative DPO; sigmoid and simpo).")]
+SimpoGamma = Annotated[float, Field(ge=0, description="SimPO's target reward margin gamma.")]
+RpoAlpha = Annotated[float, Field(ge=0, description="Weight of an SFT term on the chosen reply added to sigmoid/ipo (RPO; 0: none).")]
+PrecomputeReference = Annotated[bool, Field(description="Compute the reference log-probs once in a cached task before training, so training holds no reference model (sigmoid, ipo).")]
+
 # ----- multi-tenant LoRA --------------------------------------------------------------------------------
 TenantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]+$", description="Tenant name (letters, digits, '_', '-'): names its adapter, MLflow run and registered model.")]
 MixedBatches = Annotated[bool, Field(description="Train every tenant's micro-batch of a round in one mixed batch (one base-model pass); false: one after another.")]
@@ -193,6 +201,23 @@ class EmbeddingDataFields(BaseModel):
 
     max_length: MaxLength = 128
     max_bad_fraction: MaxBadFraction = 0.01
+
+
+class PreferenceFields(BaseModel):
+    """Which preference loss, and against what reference."""
+
+    loss_type: PreferenceLoss = "sigmoid"
+    beta: PreferenceBeta = 0.1
+    label_smoothing: LabelSmoothing = 0.0
+    simpo_gamma: SimpoGamma = 0.5
+    rpo_alpha: RpoAlpha = 0.0
+    precompute_reference: PrecomputeReference = False
+
+    def objective_options(self) -> dict:
+        """The preference objective's options (twinkle_core.objectives.preference)."""
+        return {"loss_type": self.loss_type, "beta": self.beta, "label_smoothing": self.label_smoothing,
+                "simpo_gamma": self.simpo_gamma, "rpo_alpha": self.rpo_alpha,
+                "precompute_reference": self.precompute_reference}
 
 
 class LoraFields(BaseModel):

@@ -156,7 +156,10 @@ def tokenize_dataset(
 
 
 def _column_type(values: list) -> pa.DataType:
-    """int32 token lists, or lists of them (an embedding row's hard negatives)."""
+    """int32 token lists, or lists of them (an embedding row's hard negatives), or numbers (a preference
+    pair's reference log-probs)."""
+    if values and isinstance(values[0], float):
+        return pa.float64()
     nested = any(value and isinstance(value[0], list) for value in values)
     return pa.list_(pa.list_(pa.int32())) if nested else pa.list_(pa.int32())
 

@@ -38,7 +38,8 @@ class ModelReport(BaseModel):
     answers: list[str]
 
 
-def _load(config: EvalRunConfig, checkpoint: Path | None) -> TransformersModel:
+def load_model(config, checkpoint: Path | None) -> TransformersModel:
+    """The base model (checkpoint None), a full checkpoint, or the base with a saved adapter loaded."""
     if checkpoint is not None and not (checkpoint / "adapter_config.json").exists():
         return TransformersModel(str(checkpoint), mixed_precision=config.mixed_precision, **config.load_options())
     model = TransformersModel(str(config.model_path), mixed_precision=config.mixed_precision, **config.load_options())
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     examples = load_tokenized(config.heldout_data)
     reports = {}
     for label, checkpoint in config.checkpoints.items():
-        reports[label] = evaluate_model(_load(config, checkpoint), examples, config).model_dump()
+        reports[label] = evaluate_model(load_model(config, checkpoint), examples, config).model_dump()
         logger.info("%s: eval loss %.4f", label, reports[label]["eval_loss"])
     config.result_path.write_text(json.dumps(reports, indent=2))
     return 0

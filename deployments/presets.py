@@ -75,6 +75,14 @@ FLOWS: dict[str, dict[str, Preset]] = {
              "mixed_precision": "bf16", "lora_r": 16, "lora_alpha": 32, "lr": 1e-4, "batch_size": 64,
              "max_length": 512, "epochs": 1, "temperature": 0.05, "same_side_negatives": True}),
     },
+    "flows/dpo.py:dpo": {
+        "default": Preset("SmolLM2-135M-Instruct learns to prefer answering as Twinkle (DPO, LoRA)."),
+        "qwen2.5-dpo-lora": Preset(
+            "Qwen 2.5 7B Instruct, DPO with LoRA r=16 (the base is the reference), bf16, DDP over 2 GPUs.",
+            {"model_id": "hf://Qwen/Qwen2.5-7B-Instruct", "nproc_per_node": 2, "dp_size": 2,
+             "mixed_precision": "bf16", "lora_r": 16, "lora_alpha": 32, "lr": 5e-5, "beta": 0.1, "batch_size": 16,
+             "max_length": 2048, "precompute_reference": True}),
+    },
     "flows/convert.py:convert_checkpoint": {
         "smollm2-to-megatron": Preset(
             "The embedded default model as a Megatron-Core dist checkpoint (cached by content hash).",

@@ -74,6 +74,11 @@ def test_deployment_presets_are_valid_flow_parameters():
 
     (multi,) = [d for d in build_deployments() if d.flow_name == "multi_lora"]
     assert [t.name for t in MultiLoraConfig.model_validate(multi.parameters["config"]).tenants] == ["twinkle", "nova"]
+    from flows.dpo import DPOConfig
+
+    dpo = {d.name: d for d in build_deployments() if d.flow_name == "dpo"}
+    assert set(dpo) == {"default", "qwen2.5-dpo-lora"}
+    assert DPOConfig.model_validate(dpo["qwen2.5-dpo-lora"].parameters["config"]).precompute_reference
 
 
 def test_multi_machine_flags_reach_the_parallel_config():

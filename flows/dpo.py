@@ -1,0 +1,173 @@
+"""Preference training (DPO, IPO, SimPO, ORPO): download → tokenize → (reference log-probs) → train →
+evaluate → register.
+
+    python -m flows.dpo                      # the embedded default: SmolLM2-135M-Instruct prefers to be Twinkle
+    python -m flows.dpo --loss-type simpo --beta 2.0 --simpo-gamma 0.5     # reference-free
+    python -m flows.dpo --precompute-reference true    # reference log-probs once, in a cached task
+    python -m flows.dpo --nproc-per-node 2 --dp-size 2    # DDP; each pair stays whole on one rank
+    python -m flows.dpo --help               # every option
+
+Rows are {"messages" | "prompt", "chosen", "rejected"} (also ms-swift's messages + rejected_response).
+With LoRA the reference is the base model with the adapter disabled; for full training, a frozen copy.
+The champion is decided by held-out reward accuracy.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from flows.cli import run_from_cli
+from flows.params import TrainingFlowConfig, default_model_name
+from flows.run_folder import run_folder
+from flows.sft import _link_mlflow_run
+from flows.summary import _one_line, _precision, _settings, family_line, handed_off, registry_lines
+from tasks.download import download_dataset, download_model
+from tasks.evaluate_preference import evaluate_preference, reference_logps
+from tasks.prompts import sample_prompts
+from tasks.refs import ModelRef
+from tasks.register import register
+from tasks.tokenize import tokenize
+from tasks.track import finish_tracking, log_loss_curve, prefect_tags, start_tracking
+from tasks.train import train
+from twinkle_core.config.fields import (AdapterFields, BackendFields, BatchSize, ChatDataFields, CheckpointEvery,
+                                        DataParallelFields, DatasetId, DataSourceFields, Epochs, EvalDatasetId,
+                                        EvalFields, ExperimentName, LearningRate, LoopFields, MachinesFields,
+                                        MaxLength, ModelParallelFields, OptimizerFields, PreferenceFields,
+                                        ProcessFields, RegisteredModelName, RunFields)
+from twinkle_core.objectives.preference import REFERENCE_FREE
+from twinkle_core.tracking import artifact_url, tracking_uri
+from twinkle_core.train import TrainRunConfig
+
+DEFAULT_DATASET = "pkg://twinkle_core/datasets/preference/train.jsonl"
+DEFAULT_EVAL_DATASET = "pkg://twinkle_core/datasets/preference/heldout.jsonl"
+CHAMPION_METRIC = "reward_accuracy"  # a new version becomes champion when its held-out reward accuracy is higher
+
+
+class DPOConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
+                OptimizerFields, LoopFields, AdapterFields, PreferenceFields, ChatDataFields, BackendFields,
+                DataSourceFields, TrainingFlowConfig):
+    """Parameters of the dpo flow (the Prefect UI form and the CLI options; groups listed last-first)."""
+
+    kind: ClassVar[str] = "dpo"
+    objective: ClassVar[str] = "preference"
+
+    dataset: DatasetId = DEFAULT_DATASET
+    eval_dataset: EvalDatasetId = DEFAULT_EVAL_DATASET
+    max_length: MaxLength = 256
+    epochs: Epochs = 1.0
+    batch_size: BatchSize = 8  # pairs: each step reads 2 x batch_size sequences
+    lr: LearningRate = 5e-4
+    checkpoint_every: CheckpointEvery = 50
+    registered_model_name: RegisteredModelName = None
+    experiment_name: ExperimentName = "twinkle-dpo"
+
+    def problems(self, model_config) -> list[str]:
+        if self.precompute_reference and self.loss_type in REFERENCE_FREE:
+            return [f"precompute_reference=True: loss_type={self.loss_type!r} uses no reference model; "
+                    "leave precompute_reference off"]
+        return []
+
+    def model_name(self) -> str:
+        return self.registered_model_name or default_model_name(self.model_id, "dpo-")
+
+    def run_config(self, model: ModelRef, train_data: str, checkpoint_dir: Path, run_id: str) -> TrainRunConfig:
+        given = dict(model_path=model.path, **model.ref_options(), train_data=train_data, checkpoint_dir=checkpoint_dir,
+                     parallel=self.parallel(), objective=self.objective, objective_options=self.objective_options(),
+                     mlflow_run_id=run_id, tracking_uri=tracking_uri())
+        shared = (set(TrainRunConfig.model_fields) & set(DPOConfig.model_fields)) - set(given)
+        return TrainRunConfig(**self.model_dump(include=shared), **given)
+
+
+def render_dpo_summary(config: DPOConfig, prompts: list[list[dict]], reports: dict, registration: dict, run_id: str,
+                       checkpoint, train_data, family: str, links: dict[str, str]) -> str:
+    base, trained = reports["base"], reports["trained"]
+    metrics = checkpoint.final_metrics
+    lines = [
+        "## Twinkle Flows: DPO summary", "",
+        f"model: {config.model_id}", family_line(family),
+        f"dataset: {config.dataset} ({train_data.num_rows} pairs, {train_data.num_trained_tokens} reply tokens, "
+        f"{train_data.num_bad} bad rows skipped)",
+        _settings(config),
+        f"objective: {config.loss_type}, beta {config.beta:g}"
+        + (f", gamma {config.simpo_gamma:g}" if config.loss_type == "simpo" else "")
+        + (f", rpo_alpha {config.rpo_alpha:g}" if config.rpo_alpha else "")
+        + (", reference log-probs precomputed" if config.precompute_reference else ""),
+        f"training: {'LoRA r=' + str(config.lora_r) if config.use_lora else 'full'}, {_precision(config.mixed_precision)}, "
+        f"{checkpoint.train_seconds:.0f} s, final loss {metrics.get('loss', float('nan')):.4f}, "
+        f"final train reward accuracy {metrics.get('rewards/accuracy', float('nan')):.4f}",
+        f"held-out: {trained['pairs']} pairs", "",
+        f"base reward accuracy: {base['reward_accuracy']:.4f}",
+        f"trained reward accuracy: {trained['reward_accuracy']:.4f}", "",
+        "| | base | trained |", "|---|---|---|",
+        f"| reward accuracy | {base['reward_accuracy']:.4f} | {trained['reward_accuracy']:.4f} |",
+        f"| mean margin | {base['margin']:.4f} | {trained['margin']:.4f} |",
+        f"| chosen log-prob | {base['logps_chosen']:.4f} | {trained['logps_chosen']:.4f} |",
+        f"| rejected log-prob | {base['logps_rejected']:.4f} | {trained['logps_rejected']:.4f} |", "",
+    ]
+    if "dpo_reward_accuracy" in trained:
+        lines += [f"DPO implicit rewards against the base (beta {config.beta:g}): accuracy "
+                  f"{trained['dpo_reward_accuracy']:.4f}, margin {trained['dpo_reward_margin']:.4f}", ""]
+    if prompts:
+        lines += [f"prompt: {_one_line(prompts[0][-1]['content'])}",
+                  f"base answer: {_one_line(base['answers'][0])}",
+                  f"trained answer: {_one_line(trained['answers'][0])}", ""]
+    return "\n".join(lines + registry_lines(run_id, registration, checkpoint, links))
+
+
+@flow(name="dpo")
+def dpo(config: DPOConfig = DPOConfig()) -> dict:
+    """Train `config.model_id` on the preference pairs of `config.dataset` and register it in MLflow."""
+    run_dir = run_folder(config.output_dir)  # a retry of this flow run gets the same folder and resumes
+    model = download_model(config.model_id, **config.model_options())
+    config.check_model(model)
+    train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)
+    train_data = tokenize(train_file, model, config.max_length, False, config.max_bad_fraction,
+                          config.enable_thinking, "preference")
+    heldout = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction, config.enable_thinking,
+                       "preference")
+    prompts = sample_prompts(eval_file, config.eval_prompts, kind="preference")
+    if config.precompute_reference:  # training then holds no reference model
+        train_data = reference_logps(model, train_data, str(run_dir), config.mixed_precision,
+                                     config.timeout_minutes * 60)
+    tags = prefect_tags("dpo")
+    run_id = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json"),
+                            {**tags, "model_id": config.model_id})
+    links = _link_mlflow_run(config.experiment_name, run_id)
+    try:
+        run_config = config.run_config(model, train_data.path, run_dir / "checkpoints", run_id)
+        checkpoint = train(run_config, str(run_dir), timeout_s=config.timeout_minutes * 60,
+                           device_limit=config.device_limit)
+        if checkpoint is None:  # a multi-machine run: the machine with global rank 0 evaluates and registers
+            finish_tracking(run_id)
+            return handed_off(run_id, model.family)
+        reports = evaluate_preference(model, checkpoint, heldout, prompts, str(run_dir), config.mixed_precision,
+                                      config.loss_type, config.beta, config.max_new_tokens, run_id,
+                                      config.timeout_minutes * 60)
+        registration = register(checkpoint, config.model_name(), run_id, reports["trained"][CHAMPION_METRIC], tags,
+                                metric="eval_" + CHAMPION_METRIC, higher_is_better=True)
+        curve = log_loss_curve(run_id)
+    except BaseException:
+        finish_tracking(run_id, "FAILED")
+        raise
+    finish_tracking(run_id)
+    if curve:
+        links["loss_curve"] = artifact_url(run_id, curve)
+    summary = render_dpo_summary(config, prompts, reports, registration, run_id, checkpoint, train_data, model.family,
+                                 links)
+    create_markdown_artifact(summary, key="dpo-summary", description="base vs trained on held-out preference pairs")
+    get_run_logger().info("run summary:\n%s", summary)
+    return {"summary": summary, "run_id": run_id, "registration": registration, "reports": reports,
+            "checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss, "train_data": train_data.path,
+            "family": model.family}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_from_cli(dpo, DPOConfig, argv, __doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """DPO training throughput: TransformersModel (preference) vs trl's DPOTrainer, LoRA on the same base.
 
-    python bench/bench_dpo.py                                  # 8 steps of 8 pairs, 2 repeats
-    python bench/bench_dpo.py --steps 4 --warmup 1 --repeats 1 --batch-size 4
+    python bench/bench_dpo.py                                  # 6 steps of 4 pairs after 1, 2 repeats (~5 min, 2 cores)
+    python bench/bench_dpo.py --steps 2 --warmup 1 --repeats 1 --batch-size 2
     python bench/bench_dpo.py --profile                        # + cProfile of one of our DPO runs
 
 Both sides train the same LoRA adapter (r=8, alpha=16, dropout 0, all linear layers but the LM head) on
@@ -40,8 +40,9 @@ the batches (where trl pads, and ours only indexes a list) and trl's per-step bo
 
 Memory: a third run per repeat trains the same LoRA with our own causal-LM objective (SFT) on the same
 2n sequences per step as 2n chat rows (prompt + chosen, prompt + rejected; the replies labelled), so it
-sees the very tokens the DPO forward sees. LoRA DPO keeps no second model copy when its peak RSS stays
-near that run's (target: <= 1.2x). Data: the bundled preference set
+sees the very tokens the DPO forward sees (its pairs/s counts the pairs whose two sequences it trained
+on). LoRA DPO keeps no second model copy when its peak RSS stays near that run's (target: <= 1.2x; a
+second fp32 copy of the 135M model would add about 540 MB). Data: the bundled preference set
 (twinkle_core/datasets/preference/train.jsonl), its rows in order, repeated as needed.
 """
 from __future__ import annotations
@@ -274,9 +275,9 @@ def main() -> int:
     parser.add_argument("--model-id", default=DEFAULT_MODEL)
     parser.add_argument("--data", type=Path, default=DATASET, help="jsonl of preference rows "
                         "(default: the bundled preference set)")
-    parser.add_argument("--steps", type=int, default=8, help="measured optimizer steps")
-    parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
-    parser.add_argument("--batch-size", type=int, default=8, help="pairs per optimizer step")
+    parser.add_argument("--steps", type=int, default=6, help="measured optimizer steps")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    parser.add_argument("--batch-size", type=int, default=4, help="pairs per optimizer step")
     parser.add_argument("--max-length", type=int, default=128, help="tokens per prompt + reply sequence")
     parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in each run")
@@ -301,11 +302,14 @@ def main() -> int:
     med = {name: {key: statistics.median(r[key] for r in runs) for key in keys} for name, runs in results.items()}
     ours, theirs, sft = med["twinkle"], med["trl"], med["twinkle_sft"]
     ratio = ours["pairs_per_s"] / theirs["pairs_per_s"]
+    data = args.data.resolve()
+    described = str(data.relative_to(ROOT) if data.is_relative_to(ROOT) else data)
     memory = ours["peak_rss_mb"] / sft["peak_rss_mb"]
     print(f"\nLoRA r=8 all-linear, sigmoid DPO beta {BETA}, fp32, {args.batch_size} pairs per step, <= "
           f"{args.max_length} tokens per sequence, {args.steps} measured steps after {args.warmup}, "
-          f"{args.threads} threads, median of {args.repeats} runs each; data: {args.data.relative_to(ROOT) if args.data.is_relative_to(ROOT) else args.data}")
-    print("| run | pairs/s | s/step | tokens/s | pairs/s incl. data | peak RSS MB | tokens measured | loss first -> last |")
+          f"{args.threads} threads, median of {args.repeats} runs each; data: {described}")
+    print("| run | pairs/s | s/step | tokens/s | pairs/s incl. data | peak RSS MB | tokens measured "
+          "| loss first -> last |")
     print("|---|---|---|---|---|---|---|---|")
     for name in ("twinkle", "trl", "twinkle_sft"):
         m = med[name]
@@ -317,8 +321,8 @@ def main() -> int:
     print(f"LoRA DPO / LoRA SFT peak RSS: {memory:.2f}x")
     print(json.dumps({"benchmark": "dpo", "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size,
                       "max_length": args.max_length, "threads": args.threads, "repeats": args.repeats,
-                      "ratio_pairs_per_s": ratio, "ratio_peak_rss_dpo_over_sft": memory, "median": med,
-                      "runs": results}))
+                      "data": described, "ratio_pairs_per_s": ratio, "ratio_peak_rss_dpo_over_sft": memory,
+                      "median": med, "runs": results}))
     if args.profile:
         run_child("twinkle", args, profile=True)
     return 0

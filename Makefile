@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run run-embedding test bench bench-embedding clean
+.PHONY: install run run-embedding run-dpo test bench bench-embedding bench-dpo clean
 
 install: $(STAMP)
 
@@ -25,6 +25,9 @@ run: install
 run-embedding: install
 	$(BIN)/python -m flows.embedding
 
+run-dpo: install
+	$(BIN)/python -m flows.dpo
+
 test: install
 	$(BIN)/python -m pytest
 
@@ -33,6 +36,9 @@ bench: install
 
 bench-embedding: install
 	$(BIN)/python bench/bench_embedding.py
+
+bench-dpo: install
+	$(BIN)/python bench/bench_dpo.py
 
 clean:
 	rm -rf runs mlflow.db mlartifacts

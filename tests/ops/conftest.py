@@ -94,7 +94,10 @@ def served(prefect_server, tmp_path_factory):
         serve = subprocess.Popen([sys.executable, "-m", "deployments.serve"], cwd=ROOT, env=env,
                                  stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            _wait_for_deployment("sft/default", serve, log)
+            from deployments.presets import build_deployments
+
+            last = build_deployments()[-1]  # serve creates them in order: wait until all exist
+            _wait_for_deployment(f"{last.flow_name}/{last.name}", serve, log)
             yield {"model": save_tiny_model(root / "tiny-llama"), "train": data, "root": root, "env": env,
                    "log": log}
         finally:

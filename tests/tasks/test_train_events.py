@@ -19,3 +19,10 @@ def test_the_log_line_shows_mfu_and_peak_memory_only_when_sent():
     full = describe_step({**STEP, "tokens_per_s_total": 800.0, "mfu": 0.0234, "peak_memory_mb": 2730.4})
     assert "800 total" in full and "MFU 2.3%" in full and "peak memory 2730 MB" in full
     assert step_metrics({**STEP, "mfu": 0.0234})["mfu"] == pytest.approx(0.0234)
+
+
+def test_an_objectives_own_metrics_reach_the_summary_and_the_log_line():
+    event = {**STEP, "rewards/accuracy": 0.75, "rewards/margin": 0.125, "logps/chosen": -12.5}
+    metrics = step_metrics(event)
+    assert metrics["rewards/accuracy"] == 0.75 and metrics["logps/chosen"] == -12.5
+    assert "reward accuracy 0.75, margin 0.125" in describe_step(event)

@@ -38,7 +38,7 @@ LAYERS = [
     {"parallel"},
     {"megatron"},
     {"convert"},
-    {"objectives", "embedding"},
+    {"objectives", "embedding", "rl"},
     {"models"},
     {"evaluate", "tracking"},
     {"train"},

@@ -1,0 +1,1 @@
+"""Online reinforcement learning from rewards (GRPO): reward functions, group advantages."""

@@ -130,6 +130,7 @@ def test_bad_options_are_refused():
     for options, words in [({"loss_type": "bnpo"}, "loss_type='bnpo': choose one of grpo, dapo, dr_grpo"),
                            ({"epsilon": 0.2, "epsilon_high": 0.1}, "epsilon_high=0.1 must be >= epsilon=0.2"),
                            ({"beta": -1}, "beta=-1 must be >= 0"),
-                           ({"loss_type": "dr_grpo"}, "dr_grpo' normalises by max_completion_length")]:
+                           ({"num_generations": 1}, "num_generations=1: a group needs >= 2 completions")]:
         with pytest.raises(ValueError, match=words):
             resolve_options(None, None, options)
+    assert resolve_options(None, None, {"loss_type": "dr_grpo", "max_new_tokens": 24})["max_completion_length"] == 24

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from twinkle_core.config.registry import Registry
 
-from . import pairs, preference
+from . import pairs, preference, prompts
 from .collate import collate
 from .encode import count_trained_tokens, encode_chat, encode_text, truncate
 from .validate import validate_chat_row, validate_text_row
@@ -82,3 +82,7 @@ register_row_format(RowFormat(
     truncate=preference.truncate_preference, was_truncated=preference.was_truncated,
     count_tokens=preference.count_preference_tokens, num_sequences=lambda example: 2,
     collate=preference.collate_preferences, batch_keys=preference.BATCH_KEYS, packable=False))
+register_row_format(RowFormat(
+    "prompts", prompts.validate_prompt_row, prompts.encode_prompt_row, truncate=prompts.truncate_prompt,
+    was_truncated=prompts.prompt_too_long, count_tokens=prompts.count_prompt_tokens, collate=prompts.no_collate,
+    batch_keys=prompts.BATCH_KEYS, packable=False))

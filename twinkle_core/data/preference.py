@@ -40,7 +40,7 @@ def _reply(value: Any, where: str) -> dict:
     return validate_chat_row({"messages": [{**value, "role": "assistant"}]})["messages"][0]
 
 
-def _prompt(value: Any, where: str) -> list[dict]:
+def prompt_messages(value: Any, where: str) -> list[dict]:
     if isinstance(value, str):
         value = [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -62,11 +62,11 @@ def validate_preference_row(row: Any) -> dict:
         if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict) \
                 or messages[-1].get("role") != "assistant":
             raise RowError("an ms-swift row's 'messages' must end with the chosen assistant reply")
-        prompt, chosen = _prompt(messages[:-1], "messages"), _reply(messages[-1], "messages[-1]")
+        prompt, chosen = prompt_messages(messages[:-1], "messages"), _reply(messages[-1], "messages[-1]")
         rejected = _reply(row["rejected_response"], "rejected_response")
     elif "chosen" in row and "rejected" in row:
         key = "messages" if "messages" in row else "prompt"
-        prompt = _prompt(row.get(key), key)
+        prompt = prompt_messages(row.get(key), key)
         chosen, rejected = _reply(row["chosen"], "chosen"), _reply(row["rejected"], "rejected")
     else:
         raise RowError(f"row has keys {sorted(row)}; a preference row needs 'messages' (or 'prompt') with "

@@ -160,6 +160,8 @@ def _column_type(values: list) -> pa.DataType:
     pair's reference log-probs)."""
     if values and isinstance(values[0], float):
         return pa.float64()
+    if values and isinstance(values[0], str):  # a prompt row's text and fields
+        return pa.string()
     nested = any(value and isinstance(value[0], list) for value in values)
     return pa.list_(pa.list_(pa.int32())) if nested else pa.list_(pa.int32())
 

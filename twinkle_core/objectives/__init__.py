@@ -67,5 +67,6 @@ def get_objective(name: str) -> Objective:
 register_objective(Objective("causal_lm", "chat", causal_lm_loss_sum, frozenset({"transformers", "megatron"})))
 from twinkle_core.objectives import embedding as _embedding  # noqa: E402,F401  (registers infonce)
 from twinkle_core.objectives import preference as _preference  # noqa: E402,F401  (registers preference)
+from twinkle_core.objectives import grpo as _grpo  # noqa: E402,F401  (registers grpo)
 
 __all__ = ["LossParts", "Objective", "get_objective", "register_objective"]

@@ -15,16 +15,32 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_core.data.encode import IGNORE_INDEX
+from twinkle_core.objectives import Objective, register_objective
 from twinkle_core.objectives.causal_lm import LossParts, trained_logits
+from twinkle_core.objectives.preference import disable_dropout
 from twinkle_core.rl.grpo import LOSS_TYPES, reduce_tokens, token_terms
 
 DEFAULTS = {"loss_type": "grpo", "epsilon": 0.2, "epsilon_high": None, "beta": 0.0, "kl_correction": False,
             "max_completion_length": None}
+# What the recipe's rollouts take (twinkle_core.train.grpo); the loss ignores them.
+ROLLOUT_DEFAULTS = {"num_generations": 4, "num_iterations": 1, "max_new_tokens": 64, "temperature": 1.0,
+                    "top_p": 1.0, "scale_rewards": True, "rewards": ["numeric_match"], "reward_weights": None,
+                    "reward_options": {}}
 METRICS = ("kl", "clip_fraction", "entropy")  # completion lengths and rewards are logged by the rollout
 
 
+def rollout_options(options: dict) -> dict:
+    """The rollout settings of `options`, defaults filled in."""
+    return {key: default if options.get(key) is None else options[key] for key, default in ROLLOUT_DEFAULTS.items()}
+
+
 def resolve_options(model_dir: Path | None, family, options: dict) -> dict:
-    resolved = {**DEFAULTS, **{key: value for key, value in options.items() if value is not None}}
+    rollout = rollout_options(options)
+    if int(rollout["num_generations"]) < 2:
+        raise ValueError(f"num_generations={rollout['num_generations']!r}: a group needs >= 2 completions")
+    if int(rollout["num_iterations"]) < 1:
+        raise ValueError(f"num_iterations={rollout['num_iterations']!r} must be >= 1")
+    resolved = {**DEFAULTS, **rollout, **{key: value for key, value in options.items() if value is not None}}
     if resolved["loss_type"] not in LOSS_TYPES:
         raise ValueError(f"loss_type={resolved['loss_type']!r}: choose one of {', '.join(LOSS_TYPES)}")
     if not 0 < float(resolved["epsilon"]) < 1:
@@ -34,7 +50,7 @@ def resolve_options(model_dir: Path | None, family, options: dict) -> dict:
     if float(resolved["beta"]) < 0:
         raise ValueError(f"beta={resolved['beta']!r} must be >= 0 (0: no KL term)")
     if resolved["loss_type"] == "dr_grpo" and not resolved["max_completion_length"]:
-        raise ValueError("loss_type='dr_grpo' normalises by max_completion_length; set it")
+        resolved["max_completion_length"] = int(resolved["max_new_tokens"])  # the most a completion can hold
     return resolved
 
 
@@ -91,3 +107,9 @@ def grpo_loss_sum(model: torch.nn.Module, batch: dict, router_aux_loss_coef=None
             reduce_as = "dapo" if options["loss_type"] == "dapo" else "grpo"
             metrics[name] = float(reduce_tokens(values.detach() * token_weight, rows, sequences, reduce_as)[0])
     return LossParts(loss_sum, count, metrics=metrics)
+
+
+register_objective(Objective(
+    "grpo", "prompts", grpo_loss_sum, frozenset({"transformers"}), splits=frozenset({"dp"}),
+    resolve_options=resolve_options, prepare_model=disable_dropout,
+    option_names=tuple(DEFAULTS) + tuple(ROLLOUT_DEFAULTS)))

@@ -59,7 +59,7 @@ def _options(model_dir: Path, family, options: dict) -> dict:
     return resolved
 
 
-def _disable_dropout(model: torch.nn.Module) -> None:
+def disable_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -172,5 +172,5 @@ def preference_loss_sum(model: torch.nn.Module, batch: dict, router_aux_loss_coe
 
 register_objective(Objective(
     "preference", "preference", preference_loss_sum, frozenset({"transformers"}), splits=frozenset({"dp", "fsdp"}),
-    resolve_options=_options, prepare_model=_disable_dropout, prepare_training=_attach_reference,
+    resolve_options=_options, prepare_model=disable_dropout, prepare_training=_attach_reference,
     option_names=tuple(DEFAULTS)))

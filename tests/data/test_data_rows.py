@@ -117,7 +117,7 @@ def test_text_rows_and_unknown_inputs(tmp_path):
     loaded = load_rows(path, "text", max_bad_fraction=1.0)
     assert loaded.rows == [{"text": "Paris is in France."}]
     assert [bad.reason for bad in loaded.bad] == ["'text' is empty", "missing 'text'"]
-    with pytest.raises(ValueError, match="kind='kto' is not a known row kind; use one of: chat, pairs, preference, text"):
+    with pytest.raises(ValueError, match="kind='kto' is not a known row kind; use one of: chat, pairs, preference, prompts, text"):
         load_rows(path, "kto")
     with pytest.raises(DatasetError, match="suffix '.csv'"):
         (tmp_path / "rows.csv").write_text("a,b\n")

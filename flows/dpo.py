@@ -24,7 +24,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
 from flows.run_folder import run_folder
-from flows.sft import _link_mlflow_run
+from flows.tracked import TrackedRun
 from flows.summary import _one_line, _precision, _settings, family_line, handed_off, registry_lines
 from tasks.download import download_dataset, download_model
 from tasks.evaluate_preference import evaluate_preference, reference_logps
@@ -32,7 +32,6 @@ from tasks.prompts import sample_prompts
 from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
-from tasks.track import finish_tracking, log_loss_curve, prefect_tags, start_tracking
 from tasks.train import train
 from twinkle_core.config.fields import (AdapterFields, BackendFields, BatchSize, ChatDataFields, CheckpointEvery,
                                         DataParallelFields, DatasetId, DataSourceFields, Epochs, EvalDatasetId,
@@ -40,7 +39,7 @@ from twinkle_core.config.fields import (AdapterFields, BackendFields, BatchSize,
                                         MaxLength, ModelParallelFields, OptimizerFields, PreferenceFields,
                                         ProcessFields, RegisteredModelName, RpoAlpha, RunFields)
 from twinkle_core.objectives.preference import REFERENCE_FREE
-from twinkle_core.tracking import artifact_url, tracking_uri
+from twinkle_core.tracking import tracking_uri
 from twinkle_core.train import TrainRunConfig
 
 DEFAULT_DATASET = "pkg://twinkle_core/datasets/preference/train.jsonl"
@@ -138,29 +137,18 @@ def dpo(config: DPOConfig = DPOConfig()) -> dict:
     if config.precompute_reference:  # training then holds no reference model
         train_data = reference_logps(model, train_data, str(run_dir), config.mixed_precision,
                                      config.timeout_minutes * 60)
-    tags = prefect_tags("dpo")
-    run_id = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json"),
-                            {**tags, "model_id": config.model_id})
-    links = _link_mlflow_run(config.experiment_name, run_id)
-    try:
-        run_config = config.run_config(model, train_data.path, run_dir / "checkpoints", run_id)
+    with TrackedRun(config, run_dir, "dpo") as tracked:
+        run_config = config.run_config(model, train_data.path, run_dir / "checkpoints", tracked.run_id)
         checkpoint = train(run_config, str(run_dir), timeout_s=config.timeout_minutes * 60,
                            device_limit=config.device_limit)
         if checkpoint is None:  # a multi-machine run: the machine with global rank 0 evaluates and registers
-            finish_tracking(run_id)
-            return handed_off(run_id, model.family)
+            return handed_off(tracked.run_id, model.family)
         reports = evaluate_preference(model, checkpoint, heldout, prompts, str(run_dir), config.mixed_precision,
-                                      config.loss_type, config.beta, config.max_new_tokens, run_id,
+                                      config.loss_type, config.beta, config.max_new_tokens, tracked.run_id,
                                       config.timeout_minutes * 60)
-        registration = register(checkpoint, config.model_name(), run_id, reports["trained"][CHAMPION_METRIC], tags,
-                                metric="eval_" + CHAMPION_METRIC, higher_is_better=True)
-        curve = log_loss_curve(run_id)
-    except BaseException:
-        finish_tracking(run_id, "FAILED")
-        raise
-    finish_tracking(run_id)
-    if curve:
-        links["loss_curve"] = artifact_url(run_id, curve)
+        registration = register(checkpoint, config.model_name(), tracked.run_id, reports["trained"][CHAMPION_METRIC],
+                                tracked.tags, metric="eval_" + CHAMPION_METRIC, higher_is_better=True)
+    run_id, links = tracked.run_id, tracked.links
     summary = render_dpo_summary(config, prompts, reports, registration, run_id, checkpoint, train_data, model.family,
                                  links)
     create_markdown_artifact(summary, key="dpo-summary", description="base vs trained on held-out preference pairs")

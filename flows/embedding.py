@@ -21,14 +21,13 @@ from prefect.artifacts import create_markdown_artifact
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
 from flows.run_folder import run_folder
-from flows.sft import _link_mlflow_run
+from flows.tracked import TrackedRun
 from flows.summary import family_line, handed_off, registry_lines
 from tasks.download import download_dataset, download_model
 from tasks.evaluate_retrieval import evaluate_retrieval, metric_key
 from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
-from tasks.track import finish_tracking, log_loss_curve, prefect_tags, start_tracking
 from tasks.train import train
 from twinkle_core.config.fields import (AdapterFields, BackendFields, CheckpointEvery, DataParallelFields, DatasetId,
                                         BatchSize, DataSourceFields, EmbeddingDataFields, EmbeddingFields, EvalDatasetId,
@@ -39,7 +38,7 @@ from twinkle_core.embedding.settings import EmbeddingSettings, resolve_settings
 from twinkle_core.evaluate.retrieval import METRICS
 from twinkle_core.families import get_family
 from twinkle_core.objectives.embedding import EXPORT_NAME
-from twinkle_core.tracking import artifact_url, tracking_uri
+from twinkle_core.tracking import tracking_uri
 from twinkle_core.train import TrainRunConfig
 
 DEFAULT_MODEL = "pkg://all_minilm_l6_v2/model.zip"
@@ -115,30 +114,20 @@ def embedding(config: EmbeddingConfig = EmbeddingConfig()) -> dict:
     train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)
     train_data = tokenize(train_file, model, config.max_length, False, config.max_bad_fraction, True, "pairs",
                           settings.encode_options())
-    tags = prefect_tags("embedding")
-    run_id = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json"),
-                            {**tags, "model_id": config.model_id})
-    links = _link_mlflow_run(config.experiment_name, run_id)
-    try:
-        run_config = config.run_config(model, train_data.path, run_dir / "checkpoints", run_id, settings)
+    with TrackedRun(config, run_dir, "embedding") as tracked:
+        run_config = config.run_config(model, train_data.path, run_dir / "checkpoints", tracked.run_id, settings)
         checkpoint = train(run_config, str(run_dir), timeout_s=config.timeout_minutes * 60,
                            device_limit=config.device_limit)
         if checkpoint is None:  # a multi-machine run: the machine with global rank 0 evaluates and registers
-            finish_tracking(run_id)
-            return handed_off(run_id, model.family)
+            return handed_off(tracked.run_id, model.family)
         reports = evaluate_retrieval(model, checkpoint, eval_file, settings, str(run_dir), config.max_length,
-                                     config.max_bad_fraction, run_id, config.timeout_minutes * 60)
+                                     config.max_bad_fraction, tracked.run_id, config.timeout_minutes * 60)
         adapter = Path(checkpoint.path).parent / run_config.adapter_name
         extras = {"adapter": str(adapter)} if config.use_lora else {}
-        registration = register(checkpoint, config.model_name(), run_id, reports["trained"][CHAMPION_METRIC], tags,
-                                metric="eval_" + metric_key(CHAMPION_METRIC), higher_is_better=True, extras=extras)
-        curve = log_loss_curve(run_id)
-    except BaseException:
-        finish_tracking(run_id, "FAILED")
-        raise
-    finish_tracking(run_id)
-    if curve:
-        links["loss_curve"] = artifact_url(run_id, curve)
+        registration = register(checkpoint, config.model_name(), tracked.run_id, reports["trained"][CHAMPION_METRIC],
+                                tracked.tags, metric="eval_" + metric_key(CHAMPION_METRIC),
+                                higher_is_better=True, extras=extras)
+    run_id, links = tracked.run_id, tracked.links
     summary = render_embedding_summary(config, reports, registration, run_id, checkpoint, train_data, settings,
                                        model.family, links)
     create_markdown_artifact(summary, key="embedding-summary", description="base vs trained embedding model")

@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 from typing import ClassVar
 
-from mlflow import MlflowClient
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact
 
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
 from flows.run_folder import run_folder
 from flows.summary import handed_off, render_summary
+from flows.tracked import TrackedRun
 from tasks.convert import convert
 from tasks.download import download_dataset, download_model
 from tasks.evaluate import evaluate
@@ -26,14 +26,13 @@ from tasks.prompts import sample_prompts
 from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
-from tasks.track import finish_tracking, log_loss_curve, prefect_tags, start_tracking
 from tasks.train import train
 from twinkle_core.config.fields import (AdapterFields, BackendFields, CheckpointEvery, DataParallelFields, DatasetId,
                                         DataSourceFields, EvalDatasetId, EvalFields, ExperimentName, LoopFields,
                                         MachinesFields, ModelParallelFields, OptimizerFields, PackedChatDataFields,
                                         ProcessFields, RegisteredModelName, RouterAuxLossCoef, RunFields)
 from twinkle_core.objectives import get_objective
-from twinkle_core.tracking import artifact_url, run_url, tracking_uri
+from twinkle_core.tracking import tracking_uri
 from twinkle_core.train import TrainRunConfig
 
 DEFAULT_DATASET = "pkg://twinkle_core/datasets/self_cognition/train.jsonl"
@@ -80,27 +79,17 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
     prompts = sample_prompts(eval_file, config.eval_prompts)
     hf_model = model  # evaluation loads the trained adapter or model with transformers
     model = convert(model, config.backend, config.tp_size, config.pp_size, config.timeout_minutes * 60)
-    tags = prefect_tags("sft")
-    run_id = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json"),
-                            {**tags, "model_id": config.model_id})
-    links = _link_mlflow_run(config.experiment_name, run_id)
-    try:
-        run_config = config.run_config(model, train_data.path, run_dir / "checkpoints", run_id)
+    with TrackedRun(config, run_dir, "sft") as tracked:
+        run_config = config.run_config(model, train_data.path, run_dir / "checkpoints", tracked.run_id)
         checkpoint = train(run_config, str(run_dir), timeout_s=config.timeout_minutes * 60,
                            device_limit=config.device_limit)
         if checkpoint is None:  # a multi-machine run: the machine with global rank 0 evaluates and registers
-            finish_tracking(run_id)
-            return handed_off(run_id, model.family)
+            return handed_off(tracked.run_id, model.family)
         reports = evaluate(hf_model, checkpoint, eval_data, prompts, str(run_dir), config.mixed_precision,
-                           config.max_new_tokens, run_id)
-        registration = register(checkpoint, config.model_name(), run_id, reports["trained"]["eval_loss"], tags)
-        curve = log_loss_curve(run_id)
-    except BaseException:
-        finish_tracking(run_id, "FAILED")
-        raise
-    finish_tracking(run_id)
-    if curve:
-        links["loss_curve"] = artifact_url(run_id, curve)
+                           config.max_new_tokens, tracked.run_id)
+        registration = register(checkpoint, config.model_name(), tracked.run_id, reports["trained"]["eval_loss"],
+                                tracked.tags)
+    run_id, links = tracked.run_id, tracked.links
     summary = render_summary(config, prompts, reports, registration, run_id, checkpoint, train_data, links,
                              hf_model.family)
     create_markdown_artifact(summary, key="sft-summary", description="base vs trained model")
@@ -108,14 +97,6 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
     return {"summary": summary, "run_id": run_id, "registration": registration, "reports": reports,
             "checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss, "train_data": train_data.path,
             "family": model.family}
-
-
-def _link_mlflow_run(experiment_name: str, run_id: str) -> dict[str, str]:
-    """A link artifact to the MLflow run (the MLflow run carries this flow run's id and URL as tags)."""
-    experiment_id = MlflowClient(tracking_uri()).get_experiment_by_name(experiment_name).experiment_id
-    url = run_url(experiment_id, run_id)
-    create_link_artifact(url, link_text=f"MLflow run {run_id}", key="mlflow-run", description="this run in MLflow")
-    return {"run": url}
 
 
 def main(argv: list[str] | None = None) -> int:

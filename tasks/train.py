@@ -29,8 +29,9 @@ def step_metrics(event: dict) -> dict[str, float]:
                                             "peak_memory_mb") if k in event}
     if "tokens_per_s_total" not in metrics and "tokens_per_s" in metrics:
         metrics["tokens_per_s_total"] = metrics["tokens_per_s"] * int(event.get("world_size", 1))
-    # An objective's own metrics are named group/name (the preference objective's rewards/accuracy, ...).
-    metrics.update({k: float(v) for k, v in event.items() if "/" in k and isinstance(v, (int, float))})
+    # An objective's own metrics (the preference objective's rewards/accuracy, GRPO's reward, kl, ...).
+    metrics.update({k: float(v) for k, v in event.items()
+                    if k not in metrics and k not in ("step", "total", "world_size") and isinstance(v, (int, float))})
     return metrics
 
 
@@ -39,6 +40,8 @@ def describe_step(event: dict) -> str:
     m = step_metrics(event)
     parts = [f"step {event['step']}/{event['total']} loss {m['loss']:.4f} lr {m['lr']:.2e} "
              f"grad_norm {m['grad_norm']:.3f}"]
+    if "reward" in m:
+        parts.append(f"reward {m['reward']:.3f} (std {m.get('reward_std', 0.0):.3f})")
     if "rewards/accuracy" in m:
         parts.append(f"reward accuracy {m['rewards/accuracy']:.2f}, margin {m['rewards/margin']:.3f}")
     if "tokens_per_s" in m:

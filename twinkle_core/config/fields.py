@@ -93,6 +93,21 @@ SimpoGamma = Annotated[float, Field(ge=0, description="SimPO's target reward mar
 RpoAlpha = Annotated[float, Field(ge=0, description="Weight of an SFT term on the chosen reply added to sigmoid/ipo (RPO; 0: none).")]
 PrecomputeReference = Annotated[bool, Field(description="Compute the reference log-probs once in a cached task before training, so training holds no reference model (sigmoid, ipo).")]
 
+# ----- online RL (GRPO) ---------------------------------------------------------------------------------
+NumGenerations = Annotated[int, Field(ge=2, description="Completions sampled per prompt (a group; its rewards give the advantages).")]
+NumIterations = Annotated[int, Field(ge=1, description="Optimizer steps on each batch of rollouts (the clipped ratio matters from the second).")]
+MaxCompletionLength = Annotated[int, Field(ge=1, description="Tokens sampled per completion at most.")]
+SamplingTemperature = Annotated[float, Field(gt=0, description="Sampling temperature of the rollouts.")]
+TopP = Annotated[float, Field(gt=0, le=1, description="Nucleus sampling of the rollouts (1: off).")]
+ScaleRewards = Annotated[bool, Field(description="Divide each group's centred rewards by their std (false: Dr. GRPO's unscaled advantages).")]
+GrpoLossType = Annotated[Literal["grpo", "dapo", "dr_grpo"], Field(description="GRPO loss reduction: grpo (each completion's token mean), dapo (the step's token mean) or dr_grpo (token sum / max_completion_length).")]
+KlBeta = Annotated[float, Field(ge=0, description="Weight of the k3 KL term to the reference (the base; 0: no KL, no reference pass).")]
+ClipEpsilon = Annotated[float, Field(gt=0, lt=1, description="PPO clip: the ratio is kept within [1 - epsilon, 1 + epsilon_high].")]
+ClipEpsilonHigh = Annotated[float | None, Field(gt=0, description="Upper clip (DAPO's clip-higher); empty: epsilon.")]
+RewardNames = Annotated[list[str], Field(min_length=1, description="Reward functions: built-in (exact_match, numeric_match, format, length_penalty) or module:function.")]
+RewardWeights = Annotated[list[float] | None, Field(description="One weight per reward function (empty: 1 each).")]
+RewardOptions = Annotated[dict[str, dict], Field(description="Keyword arguments per reward function, e.g. {\"format\": {\"pattern\": \"...\"}}.")]
+
 # ----- multi-tenant LoRA --------------------------------------------------------------------------------
 TenantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]+$", description="Tenant name (letters, digits, '_', '-'): names its adapter, MLflow run and registered model.")]
 MixedBatches = Annotated[bool, Field(description="Train every tenant's micro-batch of a round in one mixed batch (one base-model pass); false: one after another.")]
@@ -218,6 +233,33 @@ class PreferenceFields(BaseModel):
         return {"loss_type": self.loss_type, "beta": self.beta, "label_smoothing": self.label_smoothing,
                 "simpo_gamma": self.simpo_gamma, "rpo_alpha": self.rpo_alpha,
                 "precompute_reference": self.precompute_reference}
+
+
+class GrpoFields(BaseModel):
+    """Rollouts, rewards and the GRPO loss."""
+
+    rewards: RewardNames = ["numeric_match"]
+    reward_weights: RewardWeights = None
+    reward_options: RewardOptions = {}
+    num_generations: NumGenerations = 4
+    num_iterations: NumIterations = 1
+    max_completion_length: MaxCompletionLength = 64
+    sampling_temperature: SamplingTemperature = 1.0
+    top_p: TopP = 1.0
+    scale_rewards: ScaleRewards = True
+    grpo_loss_type: GrpoLossType = "grpo"
+    kl_beta: KlBeta = 0.0
+    epsilon: ClipEpsilon = 0.2
+    epsilon_high: ClipEpsilonHigh = None
+
+    def objective_options(self) -> dict:
+        """The grpo objective's options (twinkle_core.objectives.grpo) and its rollouts' (twinkle_core.train.grpo)."""
+        return {"loss_type": self.grpo_loss_type, "beta": self.kl_beta, "epsilon": self.epsilon,
+                "epsilon_high": self.epsilon_high, "num_generations": self.num_generations,
+                "num_iterations": self.num_iterations, "max_new_tokens": self.max_completion_length,
+                "max_completion_length": self.max_completion_length, "temperature": self.sampling_temperature,
+                "top_p": self.top_p, "scale_rewards": self.scale_rewards, "rewards": list(self.rewards),
+                "reward_weights": self.reward_weights, "reward_options": dict(self.reward_options)}
 
 
 class LoraFields(BaseModel):

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from twinkle_core.atomic import atomic_dir
 from twinkle_core.config.fields import ModelLoadFields

@@ -20,8 +20,13 @@ import torch
 @dataclass(frozen=True)
 class SamplingSettings:
     max_new_tokens: int = 64
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0: greedy (evaluation)
     top_p: float = 1.0
+
+    def generate_kwargs(self) -> dict:
+        if self.temperature == 0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
 
 
 class Sampler(Protocol):
@@ -52,9 +57,9 @@ class PolicySampler:
         try:
             with self.autocast() if self.autocast else torch.autocast("cpu", enabled=False):
                 out = self.module.generate(
-                    input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
-                    temperature=settings.temperature, top_p=settings.top_p, top_k=0,
-                    max_new_tokens=settings.max_new_tokens, num_return_sequences=num_generations,
+                    input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                    **settings.generate_kwargs(), max_new_tokens=settings.max_new_tokens,
+                    num_return_sequences=num_generations,
                     pad_token_id=self.pad, eos_token_id=sorted(self.eos))
         finally:
             self.module.train(was_training)

@@ -47,6 +47,14 @@ INFONCE = dict(objective="infonce", objective_options={"pooling": "mean", "query
 DPO = dict(objective="preference", objective_options={"loss_type": "sigmoid", "beta": 0.5}, use_lora=True,
            batch_size=3, gradient_accumulation_steps=2, max_steps=3, optimizer="SGD", lr=0.5)
 
+# GRPO on fixed completions (train_worker.FixedSampler): 6 prompts, 3 per rollout (2 + 1 on 2 ranks), 4
+# completions each rewarded by their length, 2 optimizer steps per rollout (the second with the clipped ratio
+# against the first's log-probs), the k3 KL to the base (LoRA, adapter off). SGD: see INFONCE.
+GRPO = dict(objective="grpo", objective_options={
+    "rewards": ["length_penalty"], "reward_options": {"length_penalty": {"target_chars": 0, "max_chars": 200}},
+    "num_generations": 4, "num_iterations": 2, "beta": 0.1, "max_new_tokens": 8}, use_lora=True, batch_size=3,
+    gradient_accumulation_steps=1, max_steps=6, optimizer="SGD", lr=0.5)
+
 # name: (processes, model, settings). lr 1e-3: see test_parallel_equivalence's docstring.
 RUNS: dict[str, tuple[int, str, dict]] = {
     "single": (1, "llama", {}),
@@ -106,6 +114,9 @@ RUNS: dict[str, tuple[int, str, dict]] = {
     "ddp_dpo": (2, "llama_pref", dict(DPO, parallel=dict(dp_size=2))),
     "native_fsdp_dpo": (2, "llama_pref", dict(DPO, parallel=dict(strategy="native_fsdp"))),
     "accelerate_fsdp_dpo": (2, "llama_pref", dict(DPO, parallel=dict(strategy="accelerate"))),
+    # GRPO on fixed completions (test_parallel_grpo).
+    "single_grpo": (1, "llama_prompts", dict(GRPO)),
+    "ddp_grpo": (2, "llama_prompts", dict(GRPO, parallel=dict(dp_size=2))),
 }
 
 
@@ -148,6 +159,11 @@ class Workspace:
         self.models["llama_pref"] = self.models["llama"]
         self.data["llama_pref"] = tokenize_dataset(pairs, self.models["llama"][0], kind="preference",
                                                    max_length=128).path
+        prompts = root / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q, _ in CHATS[:6]))
+        self.models["llama_prompts"] = self.models["llama"]
+        self.data["llama_prompts"] = tokenize_dataset(prompts, self.models["llama"][0], kind="prompts",
+                                                      max_length=128).path
         self.models["bert"] = (save_tiny_bert(root / "bert"), "bert_embedding")
         self.data["bert"] = tokenize_dataset(write_pairs(root / "pairs.jsonl"), root / "bert", kind="pairs",
                                              max_length=64).path

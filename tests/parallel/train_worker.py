@@ -26,6 +26,7 @@ from twinkle_core.objectives.infonce import gather_detached
 from twinkle_core.parallel import is_main_process
 from twinkle_core.parallel.expert import expert_full_shapes
 from twinkle_core.train import TrainRunConfig
+from twinkle_core.train.grpo import GRPORecipe
 from twinkle_core.train.recipe import SFTRecipe
 
 
@@ -110,9 +111,21 @@ def trainable_weights(model) -> dict[str, torch.Tensor]:
     return {name: tensor.contiguous().clone() for name, tensor in state.items()}
 
 
+class FixedSampler:
+    """GRPO rollouts that depend on the prompt only: completion j of a prompt is its last 2 + 2j tokens,
+    reversed. Every layout then trains on the same completions, with rewards (their lengths) that differ
+    within a group."""
+
+    def sample(self, prompt_ids, num_generations, settings, seed):
+        return [list(reversed(ids[-(2 + 2 * j):])) for ids in prompt_ids for j in range(num_generations)]
+
+
 def main(config_path: str, out_dir: str) -> None:
-    recipe = SFTRecipe(TrainRunConfig.read(config_path))
+    config = TrainRunConfig.read(config_path)
+    recipe = (GRPORecipe if config.objective == "grpo" else SFTRecipe)(config)
     recipe.setup()
+    if config.objective == "grpo":
+        recipe.sampler = FixedSampler()
     recipe.metrics = StepRecorder(recipe.model)
     lengths = record_attention_lengths(recipe.model)
     recipe.train()

@@ -45,9 +45,10 @@ class GRPORecipe(SFTRecipe):
                                      lambda: self.model.precision.autocast(self.model.device.type))
 
     def _count_steps(self) -> int:
-        """Optimizer steps: rollouts (an epoch is len(prompts) / batch_size of them) times num_iterations."""
-        iterations = rollout_options(self.config.objective_options)["num_iterations"]
-        return super()._count_steps() * iterations
+        """Optimizer steps: max_steps, else rollouts (len(prompts) / batch_size an epoch) x num_iterations."""
+        if self.config.max_steps:
+            return self.config.max_steps
+        return super()._count_steps() * rollout_options(self.config.objective_options)["num_iterations"]
 
     def _rollouts(self, skip: int):
         cfg = self.config
@@ -109,7 +110,7 @@ class GRPORecipe(SFTRecipe):
             rollout_seconds = time.perf_counter() - began
             self.rollout_seconds += rollout_seconds
             index += 1
-            for _ in range(iterations):
+            for _ in range(min(iterations, self.total_steps - step)):
                 began = time.perf_counter()
                 self.model.forward_backward(inputs=batch)
                 self.model.clip_grad_and_step(max_grad_norm=cfg.max_grad_norm)

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run run-embedding run-dpo test bench bench-embedding bench-dpo clean
+.PHONY: install run run-embedding run-dpo run-grpo test bench bench-embedding bench-dpo clean
 
 install: $(STAMP)
 
@@ -27,6 +27,9 @@ run-embedding: install
 
 run-dpo: install
 	$(BIN)/python -m flows.dpo
+
+run-grpo: install
+	$(BIN)/python -m flows.grpo
 
 test: install
 	$(BIN)/python -m pytest

@@ -83,6 +83,16 @@ FLOWS: dict[str, dict[str, Preset]] = {
              "mixed_precision": "bf16", "lora_r": 16, "lora_alpha": 32, "lr": 5e-5, "beta": 0.1, "batch_size": 16,
              "max_length": 2048, "precompute_reference": True}),
     },
+    "flows/grpo.py:grpo": {
+        "default": Preset("SmolLM2-135M-Instruct learns to answer small sums with GRPO (numeric and format rewards)."),
+        "qwen2.5-math-grpo": Preset(
+            "Qwen 2.5 1.5B Instruct, GRPO with LoRA r=16, 8 completions per prompt, DAPO's clip-higher and token "
+            "mean, bf16, DDP over 2 GPUs; set dataset to your prompts with a 'solution' field.",
+            {"model_id": "hf://Qwen/Qwen2.5-1.5B-Instruct", "nproc_per_node": 2, "dp_size": 2,
+             "mixed_precision": "bf16", "lora_r": 16, "lora_alpha": 32, "lr": 1e-5, "batch_size": 16,
+             "num_generations": 8, "max_completion_length": 512, "grpo_loss_type": "dapo", "epsilon_high": 0.28,
+             "max_steps": 500, "rewards": ["numeric_match"]}),
+    },
     "flows/convert.py:convert_checkpoint": {
         "smollm2-to-megatron": Preset(
             "The embedded default model as a Megatron-Core dist checkpoint (cached by content hash).",

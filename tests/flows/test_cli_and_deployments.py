@@ -79,6 +79,12 @@ def test_deployment_presets_are_valid_flow_parameters():
     dpo = {d.name: d for d in build_deployments() if d.flow_name == "dpo"}
     assert set(dpo) == {"default", "qwen2.5-dpo-lora"}
     assert DPOConfig.model_validate(dpo["qwen2.5-dpo-lora"].parameters["config"]).precompute_reference
+    from flows.grpo import GRPOConfig
+
+    grpo = {d.name: d for d in build_deployments() if d.flow_name == "grpo"}
+    assert set(grpo) == {"default", "qwen2.5-math-grpo"}
+    math = GRPOConfig.model_validate(grpo["qwen2.5-math-grpo"].parameters["config"])
+    assert math.grpo_loss_type == "dapo" and math.reward_weights is None  # its own rewards, not the default's
 
 
 def test_multi_machine_flags_reach_the_parallel_config():

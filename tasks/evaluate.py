@@ -1,18 +1,14 @@
 """evaluate: held-out loss, perplexity and greedy answers of the base and trained models."""
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
-from mlflow import MlflowClient
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from tasks.eval_worker import log_eval_reports, run_eval_worker
 from tasks.refs import CheckpointRef, ModelRef, TokenizedRef
 from twinkle_core.evaluate import EvalRunConfig
-from twinkle_core.launch import run_streaming
-from twinkle_core.tracking import tracking_uri
 
 
 def _table(reports: dict, prompts: list[list[dict]]) -> str:
@@ -29,7 +25,6 @@ def evaluate(model: ModelRef, checkpoint: CheckpointRef, heldout: TokenizedRef, 
              run_dir: str, mixed_precision: str, max_new_tokens: int = 48, mlflow_run_id: str | None = None,
              timeout_s: float | None = None) -> dict:
     """Evaluate base and trained in one worker process; log to MLflow and a markdown artifact."""
-    log = get_run_logger()
     run_dir = Path(run_dir)
     config = EvalRunConfig(
         model_path=Path(model.path), **model.ref_options(),
@@ -37,17 +32,9 @@ def evaluate(model: ModelRef, checkpoint: CheckpointRef, heldout: TokenizedRef, 
         heldout_data=Path(heldout.path), prompts=prompts, max_new_tokens=max_new_tokens,
         mixed_precision=mixed_precision, result_path=run_dir / "eval.json",
     )
-    config_path = run_dir / "eval_config.json"
-    config_path.write_text(config.model_dump_json(indent=2))
-    run_streaming([sys.executable, "-m", "twinkle_core.evaluate", str(config_path)], log.info, timeout_s=timeout_s)
-    reports = json.loads(config.result_path.read_text())
-    if mlflow_run_id:
-        client = MlflowClient(tracking_uri())
-        for label, report in reports.items():
-            prefix = "eval" if label == "trained" else f"{label}_eval"
-            client.log_metric(mlflow_run_id, f"{prefix}_loss", report["eval_loss"])
-            client.log_metric(mlflow_run_id, f"{prefix}_perplexity", report["perplexity"])
-        client.log_dict(mlflow_run_id, reports, "eval/report.json")
+    reports = run_eval_worker("twinkle_core.evaluate", config, run_dir / "eval_config.json", timeout_s)
+    log_eval_reports(mlflow_run_id, reports,
+                     lambda report: {"loss": report["eval_loss"], "perplexity": report["perplexity"]})
     create_markdown_artifact(_table(reports, prompts), key="evaluation", description="held-out evaluation")
     create_table_artifact([{"model": label, "eval_loss": round(r["eval_loss"], 4), "perplexity": round(r["perplexity"], 2),
                             "eval_tokens": r["eval_tokens"]} for label, r in reports.items()],

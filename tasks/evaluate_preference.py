@@ -3,18 +3,15 @@ evaluation of base vs trained (reward accuracy, margin, log-probs, answers)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-from mlflow import MlflowClient
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
+from tasks.eval_worker import log_eval_reports, run_eval_worker
 from tasks.refs import CheckpointRef, ModelRef, TokenizedRef
 from twinkle_core.evaluate.preference import PreferenceEvalConfig, ReferenceConfig
-from twinkle_core.launch import run_streaming
-from twinkle_core.tracking import tracking_uri
 
 METRICS = ("reward_accuracy", "margin", "logps_chosen", "logps_rejected")
 TRAINED_ONLY = ("dpo_reward_accuracy", "dpo_reward_margin")
@@ -30,11 +27,8 @@ def reference_logps(model: ModelRef, data: TokenizedRef, run_dir: str, mixed_pre
     config = ReferenceConfig(model_path=Path(model.path), **model.ref_options(), data=Path(data.path),
                              content_hash=data.content_hash, model_hash=model.content_hash,
                              mixed_precision=mixed_precision, result_path=run_dir / "reference.json")
-    config_path = run_dir / "reference_config.json"
-    config_path.write_text(config.model_dump_json(indent=2))
-    run_streaming([sys.executable, "-m", "twinkle_core.evaluate.preference", "reference", str(config_path)],
-                  log.info, timeout_s=timeout_s)
-    path = json.loads(config.result_path.read_text())["path"]
+    path = run_eval_worker("twinkle_core.evaluate.preference", config, run_dir / "reference_config.json", timeout_s,
+                           "reference")["path"]
     meta = json.loads((Path(path) / "meta.json").read_text())
     log.info("reference log-probs of %d pairs: %s", data.num_rows, path)
     return data.model_copy(update={"path": path, "content_hash": meta["content_hash"]})
@@ -45,26 +39,16 @@ def evaluate_preference(model: ModelRef, checkpoint: CheckpointRef, heldout: Tok
                         run_dir: str, mixed_precision: str, loss_type: str, beta: float, max_new_tokens: int = 48,
                         mlflow_run_id: str | None = None, timeout_s: float | None = None) -> dict:
     """Score the held-out pairs with base and trained in one worker process; log to MLflow and an artifact."""
-    log = get_run_logger()
     run_dir = Path(run_dir)
     config = PreferenceEvalConfig(
         model_path=Path(model.path), **model.ref_options(),
         checkpoints={"base": None, "trained": Path(checkpoint.path)}, heldout_data=Path(heldout.path),
         prompts=prompts, max_new_tokens=max_new_tokens, mixed_precision=mixed_precision, loss_type=loss_type,
         beta=beta, result_path=run_dir / "eval.json")
-    config_path = run_dir / "eval_config.json"
-    config_path.write_text(config.model_dump_json(indent=2))
-    run_streaming([sys.executable, "-m", "twinkle_core.evaluate.preference", "evaluate", str(config_path)],
-                  log.info, timeout_s=timeout_s)
-    reports = json.loads(config.result_path.read_text())
-    if mlflow_run_id:
-        client = MlflowClient(tracking_uri())
-        for label, report in reports.items():
-            prefix = "eval" if label == "trained" else f"{label}_eval"
-            for name in METRICS + TRAINED_ONLY:
-                if name in report:
-                    client.log_metric(mlflow_run_id, f"{prefix}_{name}", report[name])
-        client.log_dict(mlflow_run_id, reports, "eval/report.json")
+    reports = run_eval_worker("twinkle_core.evaluate.preference", config, run_dir / "eval_config.json", timeout_s,
+                              "evaluate")
+    log_eval_reports(mlflow_run_id, reports,
+                     lambda report: {name: report[name] for name in METRICS + TRAINED_ONLY if name in report})
     create_table_artifact([{"model": label, **{name: round(report[name], 4) for name in METRICS}}
                            for label, report in reports.items()],
                           key="eval-results", description="held-out preference pairs, base vs trained")

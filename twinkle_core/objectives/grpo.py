@@ -26,7 +26,6 @@ DEFAULTS = {"loss_type": "grpo", "epsilon": 0.2, "epsilon_high": None, "beta": 0
 ROLLOUT_DEFAULTS = {"num_generations": 4, "num_iterations": 1, "max_new_tokens": 64, "temperature": 1.0,
                     "top_p": 1.0, "scale_rewards": True, "rewards": ["numeric_match"], "reward_weights": None,
                     "reward_options": {}}
-METRICS = ("kl", "clip_fraction", "entropy")  # completion lengths and rewards are logged by the rollout
 
 
 def rollout_options(options: dict) -> dict:
@@ -101,11 +100,11 @@ def grpo_loss_sum(model: torch.nn.Module, batch: dict, router_aux_loss_coef=None
                                     options["max_completion_length"])
     if valid is not None:  # stand-in rows count for nothing
         count = int(token_weight.sum()) if options["loss_type"] == "dapo" else int(weight.sum())
-    metrics = {}
-    for name, values in (("kl", terms.kl), ("clip_fraction", terms.clipped), ("entropy", entropy)):
-        if values is not None:  # the same reduction as the loss: per-sequence means (grpo) or token means
-            reduce_as = "dapo" if options["loss_type"] == "dapo" else "grpo"
-            metrics[name] = float(reduce_tokens(values.detach() * token_weight, rows, sequences, reduce_as)[0])
+    # Metrics reduce as the loss does: token means (dapo) or per-sequence means; the rollout logs the rest.
+    reduce_as = "dapo" if options["loss_type"] == "dapo" else "grpo"
+    metrics = {name: float(reduce_tokens(values.detach() * token_weight, rows, sequences, reduce_as)[0])
+               for name, values in (("kl", terms.kl), ("clip_fraction", terms.clipped), ("entropy", entropy))
+               if values is not None}
     return LossParts(loss_sum, count, metrics=metrics)
 
 

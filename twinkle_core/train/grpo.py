@@ -101,14 +101,12 @@ class GRPORecipe(SFTRecipe):
         iterations = self.rollout["num_iterations"]
         rollouts = self._rollouts(skip=step // iterations)
         index = step // iterations
-        self.rollout_seconds = 0.0
         while step < self.total_steps:
             began = time.perf_counter()
             batch, rollout_metrics = self.make_rollout(next(rollouts), index)
             if iterations > 1:
                 batch["old_logps"] = self._old_logps(batch)
             rollout_seconds = time.perf_counter() - began
-            self.rollout_seconds += rollout_seconds
             index += 1
             for _ in range(min(iterations, self.total_steps - step)):
                 began = time.perf_counter()

@@ -52,8 +52,8 @@ def test_grpo_flow_raises_the_reward_with_a_user_reward_function(sft_workspace, 
 def test_grpo_refuses_what_it_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="backend='megatron': the grpo objective runs on transformers"):
         GRPOConfig(model_id=str(tmp_path), backend="megatron")
-    with pytest.raises(ValueError, match="fsdp_size=2: the grpo objective splits over dp only"):
-        GRPOConfig(model_id=str(tmp_path), nproc_per_node=2, strategy="native_fsdp")
+    with pytest.raises(ValueError, match="tp_size=2: the grpo objective splits over dp, fsdp only"):
+        GRPOConfig(model_id=str(tmp_path), nproc_per_node=2, tp_size=2)
     with pytest.raises(ValueError, match="num_generations"):
         GRPOConfig(model_id=str(tmp_path), num_generations=1)
     with pytest.raises(ValueError, match=r"reward_weights=\[1.0\]: 1 weights for 2 rewards"):

@@ -117,6 +117,9 @@ RUNS: dict[str, tuple[int, str, dict]] = {
     # GRPO on fixed completions (test_parallel_grpo).
     "single_grpo": (1, "llama_prompts", dict(GRPO)),
     "ddp_grpo": (2, "llama_prompts", dict(GRPO, parallel=dict(dp_size=2))),
+    "native_fsdp_grpo": (2, "llama_prompts", dict(GRPO, parallel=dict(strategy="native_fsdp"))),
+    # The policy's own sampler (train_worker: runs named *_sampled) under Accelerate's FSDP, the default.
+    "accelerate_fsdp_grpo_sampled": (2, "llama_prompts", dict(GRPO, max_steps=4, parallel=dict(strategy="accelerate"))),
 }
 
 

@@ -1,6 +1,7 @@
-"""GRPO across data-parallel ranks equals one process on the same completions: each prompt's group is
-sampled, scored and normalised on one rank, and the loss is summed per completion and divided by the
-step's global count of completions.
+"""GRPO across data-parallel ranks (DDP, native FSDP) equals one process on the same completions: each
+prompt's group is sampled, scored and normalised on one rank, and the loss is summed per completion and
+divided by the step's global count of completions. Under FSDP the old log-probs are computed on weights
+gathered once per rollout (twinkle_core.parallel.fsdp.whole_weights), as the sampling is.
 
 Both runs train a LoRA adapter on a tiny Llama (fp32, SGD) for 3 rollouts of 3 prompts x 4 fixed
 completions (train_worker.FixedSampler), 2 optimizer steps each, with the k3 KL to the base. Per-step KL
@@ -10,14 +11,16 @@ it is held to 1e-5 of that size (absolute 1e-5), as a relative bound on a cancel
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 REL = 1e-5
 
 
-def test_ddp_equals_one_process_on_fixed_completions(workspace):
-    run, reference = workspace.run("ddp_grpo"), workspace.run("single_grpo")
-    assert run.result["strategy"] == "ddp" and len(reference.result["steps"]) == 6
+@pytest.mark.parametrize("name, strategy", [("ddp_grpo", "ddp"), ("native_fsdp_grpo", "native_fsdp")])
+def test_two_processes_equal_one_on_fixed_completions(workspace, name, strategy):
+    run, reference = workspace.run(name), workspace.run("single_grpo")
+    assert run.result["strategy"] == strategy and len(reference.result["steps"]) == 6
     assert [s["trained_tokens"] for s in run.result["steps"]] == [12] * 6  # completions per step, both ranks
     for got, want in zip(run.result["steps"], reference.result["steps"]):
         assert abs(got["loss"] - want["loss"]) <= REL * max(abs(want["loss"]), 1.0), got["step"]
@@ -29,3 +32,16 @@ def test_ddp_equals_one_process_on_fixed_completions(workspace):
     assert names == sorted(run.weights) and any("lora_B" in n for n in names)
     ours, theirs = (torch.cat([w[k].reshape(-1) for k in names]) for w in (run.weights, reference.weights))
     assert float((ours - theirs).norm() / theirs.norm()) <= REL
+
+
+def test_sampling_under_fsdp_gathers_the_weights_once_per_rollout_and_trains(workspace):
+    """The policy's own generate under Accelerate's FSDP (the default strategy): every rank samples its
+    prompts with the whole model gathered once (per-token gathers from ranks that stop at different lengths
+    would hang), then trains sharded. Ranks sample with different seeds."""
+    run = workspace.run("accelerate_fsdp_grpo_sampled")
+    assert run.result["strategy"] == "accelerate_fsdp" and run.result["fsdp_units"] > 1
+    steps = run.result["steps"]
+    assert len(steps) == 4 and all(s["trained_tokens"] == 12 for s in steps)
+    assert all(0 < s["completion_length"] <= 8 for s in steps)  # max_new_tokens=8
+    assert all(torch.isfinite(torch.tensor([s["loss"], s["kl"]])).all() for s in steps)
+    assert steps[1]["kl"] > 0  # the second pass of a rollout trains on moved weights

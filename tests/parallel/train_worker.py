@@ -124,7 +124,7 @@ def main(config_path: str, out_dir: str) -> None:
     config = TrainRunConfig.read(config_path)
     recipe = (GRPORecipe if config.objective == "grpo" else SFTRecipe)(config)
     recipe.setup()
-    if config.objective == "grpo":
+    if config.objective == "grpo" and not Path(out_dir).parent.name.endswith("_sampled"):
         recipe.sampler = FixedSampler()
     recipe.metrics = StepRecorder(recipe.model)
     lengths = record_attention_lengths(recipe.model)

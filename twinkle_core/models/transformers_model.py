@@ -19,6 +19,7 @@ switched to Ulysses at load, batches sliced here: twinkle_core.parallel.sequence
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -286,6 +287,15 @@ class TransformersModel:
                 do_sample=False, pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
             )
         return self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+    def whole_weights(self):
+        """A block in which this rank holds the whole model (FSDP gathers it once; nothing to do otherwise),
+        to run the unwrapped `self.model` outside forward_backward, e.g. sampling a rank's own completions."""
+        if self.parallel.is_sharded and self._runner is not None:
+            from twinkle_core.parallel.fsdp import whole_weights
+
+            return whole_weights(self._runner)
+        return contextlib.nullcontext()
 
     # ----- checkpoints -----------------------------------------------------------------------------
     def save(self, name: str, output_dir: str | Path) -> Path:

@@ -109,6 +109,6 @@ def grpo_loss_sum(model: torch.nn.Module, batch: dict, router_aux_loss_coef=None
 
 
 register_objective(Objective(
-    "grpo", "prompts", grpo_loss_sum, frozenset({"transformers"}), splits=frozenset({"dp"}),
+    "grpo", "prompts", grpo_loss_sum, frozenset({"transformers"}), splits=frozenset({"dp", "fsdp"}),
     resolve_options=resolve_options, prepare_model=disable_dropout,
     option_names=tuple(DEFAULTS) + tuple(ROLLOUT_DEFAULTS)))

@@ -18,6 +18,9 @@ Expert parallelism: the expert shards are `ignored_params` of every unit (plain 
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -70,3 +73,29 @@ class NativeFSDP(DataParallelStrategy):
                 fully_shard(layer, **kwargs)
             fully_shard(module, **kwargs)
         return module, build_optimizer(trainable(module))
+
+
+@contextlib.contextmanager
+def whole_weights(root: torch.nn.Module) -> Iterator[None]:
+    """Every FSDP unit under `root` all-gathered once and kept whole inside the block, resharded after it.
+
+    For work outside the root's forward that runs the model a different number of times on each rank:
+    generation stops at each rank's own end of sequence, so the per-forward all-gathers FSDP would otherwise
+    issue would not pair up across ranks and the run would hang. Costs one full copy of the weights (in the
+    compute dtype) while inside. Units resume resharding after forward (the root, as FSDP sets it, not).
+    """
+    units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield
+        return
+    # The first unit to run forward becomes FSDP's root: initialise the real root before any inner forward.
+    root._get_fsdp_state()._lazy_init()
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(unit is not root, recurse=False)

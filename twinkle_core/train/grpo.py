@@ -6,7 +6,8 @@ Each rollout takes `batch_size` prompts of the seeded order (the same global ord
 data-parallel rank takes its share), samples `num_generations` completions of each with the sampler
 (twinkle_core.rl.sampler: the policy's own generate), scores them with the reward functions
 (twinkle_core.rl.rewards), and turns each prompt's group of rewards into advantages. A group is sampled
-and scored on one rank, so its statistics are the whole group's. Then `num_iterations` optimizer steps
+and scored on one rank, so its statistics are the whole group's. Under FSDP every rank gathers the whole
+model once per rollout and generates alone (per-token gathers would not pair up across ranks). Then `num_iterations` optimizer steps
 train on the same completions (the first pass's log-probs are the "old" ones of the clipped ratio).
 
 Seeds: the sampler of rank r at rollout k uses seed `seed * 1_000_003 + k * 1_009 + r`, so reruns sample
@@ -60,7 +61,8 @@ class GRPORecipe(SFTRecipe):
         generations = self.rollout["num_generations"]
         prompt_ids = [list(e["prompt_ids"]) for e in examples]
         seed = self.config.seed * 1_000_003 + index * 1_009 + self.model.data_parallel_rank
-        completions = self.sampler.sample(prompt_ids, generations, self.settings, seed)
+        with self.model.whole_weights():  # FSDP: each rank generates alone, for as many tokens as it needs
+            completions = self.sampler.sample(prompt_ids, generations, self.settings, seed)
         texts = self.model.tokenizer.batch_decode(completions, skip_special_tokens=True)
         rows = [{**json.loads(e["fields"]), "row": e.get("row", i)} for i, e in enumerate(examples)
                 for _ in range(generations)]
@@ -90,7 +92,7 @@ class GRPORecipe(SFTRecipe):
 
     def _old_logps(self, batch: dict) -> torch.Tensor:
         """The policy's log-probs of the sampled tokens before the update, aligned with labels."""
-        with torch.no_grad(), self.model.precision.autocast(self.model.device.type):
+        with torch.no_grad(), self.model.whole_weights(), self.model.precision.autocast(self.model.device.type):
             logps, _, selected, _ = completion_logps(self.model.model, batch)
         aligned = torch.zeros(batch["labels"].shape, dtype=torch.float32)
         aligned[:, 1:][selected.cpu()] = logps.float().cpu()

@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -13,7 +14,8 @@ from tiny_models import SAMPLE_ROWS, save_tiny_model
 from twinkle_core.data import tokenize_dataset
 from twinkle_core.launch import _descendants, torchrun_command
 from twinkle_core.train.recipe import EVENT_PREFIX
-from twinkle_core.models.training_state import STATE_DIR, read_progress
+from twinkle_core.models.training_state import (PROGRESS_FILE, STATE_DIR, STATE_FILE, ResumeMismatch,
+                                                load_training_state, read_progress)
 
 TOTAL_STEPS, CHECKPOINT_EVERY, KILL_AT = 40, 3, 5
 
@@ -101,3 +103,30 @@ def test_a_killed_run_resumes_from_its_last_training_state(run_setup, layout):
     proc = subprocess.run(torchrun_command("twinkle_core.train", [str(changed_path)], nproc_per_node=nproc),
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "lr: saved 0.02, now 0.001" in proc.stdout + proc.stderr
+
+
+class _Payload:
+    """A pickle that runs code when loaded: it would create `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_state_file_that_would_run_code_is_refused_unrun(tmp_path):
+    import torch
+
+    state_dir = tmp_path / STATE_DIR
+    state_dir.mkdir()
+    (state_dir / PROGRESS_FILE).write_text(json.dumps({"step": 3, "settings": {}}))
+    marker = tmp_path / "ran"
+    torch.save({"model": {}, "rng": [_Payload(marker)]}, state_dir / STATE_FILE)
+    with pytest.raises(ResumeMismatch, match="holds more than tensors and plain data, so it is not loaded"):
+        load_training_state(None, tmp_path, {})
+    assert not marker.exists()
+    # The same file read the old way would have run it: the refusal, not luck, kept it from running.
+    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(state_dir / STATE_FILE)!r}, "
+                    "weights_only=False)"], check=True)
+    assert marker.exists()

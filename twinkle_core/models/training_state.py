@@ -7,6 +7,7 @@ Every `checkpoint_every` optimizer steps the recipe writes `checkpoint_dir/train
     progress.json  the step, the micro-batches of the seeded data order already consumed, and the settings
                    that must not change across a resume (a mismatch is refused, naming the setting)
 
+`state.pt` holds plain data only and is read with `weights_only=True` (no pickled code runs on resume).
 It is written under a temporary name and renamed when complete (twinkle_core.atomic), so a crash, a
 cancel or a timeout at any moment leaves the last complete state. When the run starts again with the same
 `checkpoint_dir` (a retried flow run uses the same run folder), `load_training_state` restores all of it;
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -97,8 +99,8 @@ def load_training_state(model: Any, checkpoint_dir: str | Path, settings: dict) 
     if progress is None:
         return None
     check_resume_settings(progress, settings, checkpoint_dir / STATE_DIR)
+    state = read_state_file(checkpoint_dir / STATE_DIR / STATE_FILE)
     module, stepper = model.training_parts()
-    state = torch.load(checkpoint_dir / STATE_DIR / STATE_FILE, map_location="cpu", weights_only=False)
     keys = set_state_dict(module, stepper.optimizer, model_state_dict=state["model"],
                           optim_state_dict=state["optimizer"], options=_options())
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
@@ -115,6 +117,16 @@ def load_training_state(model: Any, checkpoint_dir: str | Path, settings: dict) 
     _set_rng_state(state["rng"][rank if rank < len(state["rng"]) else 0])
     logger.info("resumed from the training state at step %d (%s)", progress["step"], checkpoint_dir / STATE_DIR)
     return progress
+
+
+def read_state_file(path: Path) -> dict:
+    """The saved state, read as plain data only (tensors, numbers, strings, containers): `weights_only=True`
+    refuses any other pickled object without running it, so a writable run folder cannot run code here."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ResumeMismatch(f"{path} holds more than tensors and plain data, so it is not loaded (it could run "
+                             f"code): {str(err).splitlines()[0]}. Use a new checkpoint_dir to start over.") from None
 
 
 def _all_ranks(value: Any) -> list:

@@ -58,7 +58,7 @@ def parse_config(model: type[BaseModel], argv: list[str] | None, description: st
     if args.config is not None:
         if not args.config.exists():
             raise SystemExit(f"--config {args.config}: no such file")
-        values.update(yaml.safe_load(args.config.read_text()) or {})
+        values.update(read_config_file(args.config))
         unknown = sorted(set(values) - set(model.model_fields))
         if unknown:
             raise SystemExit(f"--config {args.config}: unknown options {unknown}; see --help for the valid ones")
@@ -67,6 +67,25 @@ def parse_config(model: type[BaseModel], argv: list[str] | None, description: st
         return model.model_validate(values)
     except ValidationError as err:
         raise SystemExit("invalid options:\n" + "\n".join(_describe(error) for error in err.errors())) from None
+
+
+def read_config_file(path: Path) -> dict:
+    """The options in a YAML or JSON file (JSON is YAML), or an error naming the file, line and column."""
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise SystemExit(f"--config {path}{where}: not valid YAML: {problem}") from None
+    except UnicodeDecodeError as err:
+        raise SystemExit(f"--config {path}: not UTF-8 text (byte {err.start})") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise SystemExit(f"--config {path}: the top level is a {type(values).__name__}, not a mapping of options "
+                         "(write one `option: value` per line)")
+    return values
 
 
 def _describe(error: dict) -> str:

@@ -46,7 +46,8 @@ class TrainingFlowConfig(ModelSourceFields):
     def model_options(self) -> dict:
         """What download_model takes beside the id: the chosen template's Jinja source, remote code or not."""
         template = read_chat_template(self.chat_template) if self.chat_template else None
-        return {"chat_template": template, "trust_remote_code": self.trust_remote_code}
+        return {"chat_template": template, "trust_remote_code": self.trust_remote_code,
+                "allow_pickle_weights": self.allow_pickle_weights}
 
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(**self.model_dump(include=set(ParallelConfig.model_fields)))

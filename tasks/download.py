@@ -11,7 +11,7 @@ from prefect.context import TaskRunContext
 from tasks.refs import DatasetRef, ModelRef
 from twinkle_core.families import UnsupportedModelError, family_for_model_dir
 from twinkle_core.hashing import hash_json
-from twinkle_core.hub import HubError, HubUnreachable, resolve_dataset, resolve_model
+from twinkle_core.hub import HubError, HubUnreachable, check_weight_files, resolve_dataset, resolve_model
 from twinkle_core.paths import cache_root
 
 
@@ -60,12 +60,17 @@ ID_CACHE = TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_id_cache_key)
 
 @task(cache_policy=ID_CACHE, persist_result=True, retries=2, retry_delay_seconds=5,
       retry_condition_fn=_is_transient)
-def download_model(model_id: str, chat_template: str | None = None, trust_remote_code: bool = False) -> ModelRef:
+def download_model(model_id: str, chat_template: str | None = None, trust_remote_code: bool = False,
+                   allow_pickle_weights: bool = False) -> ModelRef:
     """Resolve a model id (ms://, hf://, pkg://, local, GGUF) to a Hugging Face directory.
 
-    `chat_template` (Jinja source) and `trust_remote_code` travel with the ModelRef to every task that opens it.
+    `chat_template` (Jinja source), `trust_remote_code` and `allow_pickle_weights` travel with the ModelRef to
+    every task that opens it.
     """
     resolved = resolve_model(model_id)
+    if check_weight_files(resolved.path, model_id, allow_pickle_weights) == "pickle":
+        get_run_logger().warning("%s: loading pickle weights (allow_pickle_weights), read with "
+                                 "torch.load(weights_only=True)", model_id)
     family = family_for_model_dir(resolved.path, model_id, trust_remote_code)
     log = get_run_logger()
     log.info("%s: %s family, %s", model_id, family.title, resolved.path)
@@ -74,7 +79,8 @@ def download_model(model_id: str, chat_template: str | None = None, trust_remote
     if trust_remote_code:
         log.warning("%s: trust_remote_code is on: the checkpoint's own modelling code runs in this run", model_id)
     return ModelRef(model_id=model_id, path=str(resolved.path), content_hash=resolved.content_hash,
-                    family=family.name, template_source=chat_template, trust_remote_code=trust_remote_code)
+                    family=family.name, template_source=chat_template, trust_remote_code=trust_remote_code,
+                    allow_pickle_weights=allow_pickle_weights)
 
 
 @task(cache_policy=ID_CACHE, persist_result=True, retries=2, retry_delay_seconds=5,

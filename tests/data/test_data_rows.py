@@ -127,3 +127,16 @@ def test_text_rows_and_unknown_inputs(tmp_path):
 def test_row_kinds_cannot_be_registered_twice():
     with pytest.raises(ValueError, match="'chat' is already registered"):
         register_row_format(RowFormat("chat", dict, lambda tokenizer, row: row))
+
+
+def test_a_line_that_is_not_utf8_is_one_bad_row_named_by_line(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    good = json.dumps(GOOD).encode()
+    path.write_bytes(b"\n".join([good, good.replace(b"Hello", b"H\xe9llo"), good]) + b"\n")  # latin-1 é
+    loaded = load_rows(path, "chat", max_bad_fraction=0.5)
+    assert len(loaded.rows) == 2 and loaded.lines == [1, 3]
+    assert [(bad.line, bad.reason) for bad in loaded.bad] == [(2, "not UTF-8 text (byte 85 of the line is 0xe9)")]
+    whole = tmp_path / "chat.json"
+    whole.write_bytes(b"[\n" + good + b",\n" + good.replace(b"Hello", b"H\xe9llo") + b"\n]")
+    with pytest.raises(DatasetError, match=r"chat.json is not UTF-8 text: byte 0xe9 on line 3"):
+        load_rows(whole, "chat", max_bad_fraction=0.5)

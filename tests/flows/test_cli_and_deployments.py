@@ -23,10 +23,12 @@ def test_help_lists_the_options():
 def test_defaults_then_file_then_flags(tmp_path):
     assert parse_config(SFTConfig, [], "d").model_id == DEFAULT_MODEL
     config_file = tmp_path / "run.yaml"
-    config_file.write_text(yaml.safe_dump({"lr": 0.01, "epochs": 2, "dataset": "data.jsonl"}))
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"messages": []}\n')
+    config_file.write_text(yaml.safe_dump({"lr": 0.01, "epochs": 2, "dataset": str(data)}))
     config = parse_config(SFTConfig, ["--config", str(config_file), "--lr", "3e-4", "--use-lora", "false",
                                       "--lora-target-modules", "q_proj,v_proj"], "d")
-    assert (config.lr, config.epochs, config.dataset) == (3e-4, 2, "data.jsonl")
+    assert (config.lr, config.epochs, config.dataset) == (3e-4, 2, str(data))
     assert config.use_lora is False and config.lora_target_modules == ["q_proj", "v_proj"]
 
 
@@ -55,6 +57,40 @@ def test_unknown_keys_in_the_config_file_are_named(tmp_path):
     config_file.write_text("learning_rate: 0.1\n")
     with pytest.raises(SystemExit, match="learning_rate"):
         parse_config(SFTConfig, ["--config", str(config_file)], "d")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("lr: 0.1\nepochs: [2\n", ["run.yaml, line 3, column 1: not valid YAML"]),
+    ("- lr: 0.1\n", ["the top level is a list, not a mapping of options"]),
+    ("lr: 0.1\n\xff\n", ["not UTF-8 text"]),
+])
+def test_a_bad_config_file_is_named_with_where_it_is_wrong(tmp_path, text, words):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_bytes(text.encode("latin-1"))
+    with pytest.raises(SystemExit) as err:
+        parse_config(SFTConfig, ["--config", str(config_file)], "d")
+    for word in words:
+        assert word in str(err.value), str(err.value)
+
+
+def test_missing_local_paths_and_bad_ids_fail_before_any_server_starts(tmp_path):
+    """In the parameters, before a Prefect server or task starts: every wrong id at once, no traceback."""
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text("{}")
+    (pickled / "pytorch_model.bin").write_bytes(b"")
+    cases = [
+        (["--model-id", str(tmp_path / "missing"), "--dataset", str(tmp_path / "nope.jsonl")],
+         [f"model_id={str(tmp_path / 'missing')!r}", "does not exist", "dataset=", "2 problem(s)"]),
+        (["--model-id", "hf://just-a-name/"], ["model_id='hf://just-a-name/'", "is not of the form"]),
+        (["--dataset", "s3://bucket/data.jsonl"], ["unknown scheme 's3://'"]),
+        (["--model-id", str(pickled)], ["only as pickle files", "--allow-pickle-weights"]),
+    ]
+    for argv, words in cases:
+        with pytest.raises(SystemExit) as err:
+            parse_config(SFTConfig, argv, "d")
+        for word in words:
+            assert word in str(err.value), str(err.value)
 
 
 def test_deployment_presets_are_valid_flow_parameters():

@@ -151,3 +151,27 @@ def test_verbs_in_the_wrong_order_say_what_to_call(tiny_model_dir):
     model = TransformersModel(str(tiny_model_dir), mixed_precision="no")
     with pytest.raises(RuntimeError, match="set_optimizer"):
         model.forward_backward(inputs=ROWS)
+
+
+def test_pickle_only_weights_are_refused_unless_allowed_then_read_safely(tiny_model_dir, tmp_path, caplog):
+    """A folder with only pytorch_model.bin is refused, naming the option; allowed, it loads (with
+    torch.load(weights_only=True)) the same weights as the safetensors folder, and says so in the log."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from twinkle_core.hub import HubError
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_model_dir, pickled, ignore=shutil.ignore_patterns("*.safetensors*"))
+    torch.save(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict(), pickled / "pytorch_model.bin")
+    assert (pickled / "pytorch_model.bin").is_file() and not list(pickled.glob("*.safetensors"))
+    with pytest.raises(HubError, match="only as pickle files.*--allow-pickle-weights"):
+        TransformersModel(str(pickled), mixed_precision="no")
+    with caplog.at_level("WARNING"):
+        allowed = TransformersModel(str(pickled), mixed_precision="no", allow_pickle_weights=True)
+    assert "loading pickle weights" in caplog.text
+    safe = TransformersModel(str(tiny_model_dir), mixed_precision="no")
+    ids = torch.tensor([[1, 5, 9, 4]])
+    with torch.no_grad():
+        assert torch.equal(allowed.model(input_ids=ids).logits, safe.model(input_ids=ids).logits)

@@ -35,6 +35,7 @@ DatasetId = Annotated[str, Field(description="Training data: ms://org/name[@rev]
 EvalDatasetId = Annotated[str, Field(description="Held-out data of the same kind: its loss and the before/after answers.")]
 ChatTemplateChoice = Annotated[str | None, Field(description="Chat template, for any family: one of ours by name (qwen3, llama3, chatml, …) or a .jinja file. Default: the tokenizer's own, else the tested family's; a model of an untested family with neither needs this.")]
 TrustRemoteCode = Annotated[bool, Field(description="Run the modelling code a checkpoint ships beside its weights (config.json auto_map). Off by default: it executes that code on this machine with your rights.")]
+AllowPickleWeights = Annotated[bool, Field(description="Load a checkpoint that ships its weights only as pickle files (pytorch_model.bin), read with torch.load(weights_only=True). Off by default: weights load from safetensors only.")]
 BackendName = Annotated[Backend, Field(description="Training backend: transformers (Transformers + Accelerate/FSDP, DDP, TP, SP, EP), or megatron (megatron-core: tp_size × pp_size, ep_size, data parallel over the rest; Megatron-capable families only).")]
 
 # ----- data ----------------------------------------------------------------------------------------------
@@ -146,6 +147,7 @@ class ModelSourceFields(BaseModel):
     model_id: ModelId
     chat_template: ChatTemplateChoice = None
     trust_remote_code: TrustRemoteCode = False
+    allow_pickle_weights: AllowPickleWeights = False
 
 
 class ModelLoadFields(BaseModel):
@@ -155,11 +157,12 @@ class ModelLoadFields(BaseModel):
     template_source: str | None = Field(None, description="Jinja source of the chat template the run chose (None: "
                                                            "the tokenizer's own, else the family's).")
     trust_remote_code: TrustRemoteCode = False
+    allow_pickle_weights: AllowPickleWeights = False
 
     def load_options(self) -> dict:
         """The keyword arguments TransformersModel takes for these."""
         return {"family": self.family, "chat_template": self.template_source,
-                "trust_remote_code": self.trust_remote_code}
+                "trust_remote_code": self.trust_remote_code, "allow_pickle_weights": self.allow_pickle_weights}
 
     def ref_options(self) -> dict:
         """These fields as they are, for another config of this group."""

@@ -27,8 +27,13 @@ def read_records(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:  # decoded line by line: one bad byte costs its row, not the file
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield number, RowError(f"not UTF-8 text (byte {error.start + 1} of the line is {raw[error.start]:#04x})")
+                continue
             if not line.strip():
                 continue  # blank lines (often a trailing newline) are not rows
             try:
@@ -38,8 +43,15 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _read_json_list(path: Path) -> Iterator[tuple[int, Any]]:
+    data = path.read_bytes()
     try:
-        records = json.loads(path.read_text(encoding="utf-8"))
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise DatasetError(f"{path} is not UTF-8 text: byte {data[error.start]:#04x} on line {line}; a .json dataset "
+                           "is read whole (a .jsonl file loses only the bad rows)") from None
+    try:
+        records = json.loads(text)
     except json.JSONDecodeError as error:
         raise DatasetError(f"{path} is not valid JSON ({error}); a .json dataset is one list of row objects") from None
     if not isinstance(records, list):

@@ -2,7 +2,8 @@
 from .datasets import ResolvedDataset, resolve_dataset
 from .errors import HubError, HubUnreachable
 from .ids import ParsedId, is_offline, parse_id
-from .models import ResolvedModel, resolve_model
+from .local import id_problems
+from .models import ResolvedModel, check_weight_files, resolve_model
 
 __all__ = [
     "HubError",
@@ -10,8 +11,10 @@ __all__ = [
     "ParsedId",
     "ResolvedDataset",
     "ResolvedModel",
+    "id_problems",
     "is_offline",
     "parse_id",
+    "check_weight_files",
     "resolve_dataset",
     "resolve_model",
 ]

@@ -36,3 +36,17 @@ def _package_target(name: str, text: str) -> Path:
         if candidate.exists():
             return candidate.resolve()
     raise HubError(f"id {text!r}: {inner!r} does not exist inside package {package!r} (searched {roots})")
+
+
+def id_problems(field: str, text: str) -> list[str]:
+    """What is wrong with an id before anything is downloaded: its syntax, and for a local or pkg:// id
+    whether the file exists (checked when a run's settings are validated, before any server or task starts)."""
+    from .ids import parse_id
+
+    try:
+        parsed = parse_id(text)
+        if parsed.scheme in ("local", "pkg"):
+            local_target(parsed, text)
+    except HubError as err:
+        return [f"{field}={text!r}: {err}"]
+    return []

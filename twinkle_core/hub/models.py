@@ -64,3 +64,23 @@ def _require_model_dir(folder: Path, model_id: str) -> None:
             f"model id {model_id!r}: {str(folder)!r} is not a Hugging Face model directory (no config.json); "
             f"it holds {found} (for a GGUF model give the path of the .gguf file itself)"
         )
+
+
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_weight_files(folder: str | Path, model_id: str, allow_pickle: bool = False) -> str | None:
+    """How the model directory ships its weights: "safetensors", "pickle", or None (e.g. GGUF-converted
+    folders always hold safetensors). Pickle-only weights can run code when loaded by an unsafe reader, so
+    they are refused unless `allow_pickle` (they are then read with torch.load(weights_only=True))."""
+    folder = Path(folder)
+    if any(folder.glob("*.safetensors")) or (folder / "model.safetensors.index.json").is_file():
+        return "safetensors"
+    if not any((folder / name).is_file() for name in PICKLE_WEIGHTS):
+        return None
+    if not allow_pickle:
+        raise HubError(f"model id {model_id!r}: {str(folder)!r} ships its weights only as pickle files "
+                       "(pytorch_model.bin), which this project does not load by default; convert them to "
+                       "safetensors, or pass --allow-pickle-weights (allow_pickle_weights=True) to load them with "
+                       "torch.load(weights_only=True).")
+    return "pickle"

@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 
 from twinkle_core.data import use_chat_template
 from twinkle_core.families import family_for_model_dir, get_family
-from twinkle_core.hub import resolve_model
+from twinkle_core.hub import check_weight_files, resolve_model
 from twinkle_core.models.batches import count_input_tokens, to_batch
 from twinkle_core.models.cached_step import cached_forward_backward
 from twinkle_core.models.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
@@ -96,6 +96,7 @@ class TransformersModel:
         objective: str = "causal_lm",
         chat_template: str | None = None,
         trust_remote_code: bool = False,
+        allow_pickle_weights: bool = False,
         objective_options: dict | None = None,
         **from_pretrained_kwargs: Any,
     ):
@@ -103,7 +104,8 @@ class TransformersModel:
         `objective`: the loss forward_backward computes (a registered twinkle_core.objectives name), with its
         `objective_options` (e.g. infonce: temperature, pooling, same_side);
         `chat_template`: Jinja source that replaces the tokenizer's own template; `trust_remote_code`: run the
-        modelling code a checkpoint ships (refused otherwise)."""
+        modelling code a checkpoint ships (refused otherwise); `allow_pickle_weights`: load weights that exist
+        only as pytorch_model.bin (refused otherwise; read with torch.load(weights_only=True))."""
         strategy = parse_strategy(strategy)
         self.objective = get_objective(objective)
         self.mesh = _resolve_mesh(device_mesh)  # joins the process group first: it picks this rank's GPU
@@ -124,6 +126,11 @@ class TransformersModel:
         from_pretrained_kwargs.setdefault("dtype", self.precision.trainable_dtype)
         if trust_remote_code:
             from_pretrained_kwargs["trust_remote_code"] = True
+        if check_weight_files(self.path, model_id, allow_pickle_weights) == "pickle":
+            logger.warning("%s: loading pickle weights (allow_pickle_weights), with torch.load(weights_only=True)",
+                           model_id)
+        else:  # safetensors only: never fall back to a pickle file
+            from_pretrained_kwargs.setdefault("use_safetensors", True)
         # Loaded whole on every rank, also under tensor parallelism: the strategy shards it in set_optimizer.
         auto_class = getattr(transformers, self.objective.auto_class)  # a causal LM, or an encoder (AutoModel)
         self.model = auto_class.from_pretrained(self.path, **from_pretrained_kwargs).to(self.device)

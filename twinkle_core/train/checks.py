@@ -10,10 +10,12 @@ Each problem names the field and its value; the workers do not check again.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from twinkle_core.data import get_row_format, no_template_message, read_chat_template
 from twinkle_core.families import check_model_id, get_family
+from twinkle_core.hub import check_weight_files, id_problems
 from twinkle_core.models.backends import get_backend, raised_problems
 from twinkle_core.objectives import get_objective
 from twinkle_core.precision import resolve_precision
@@ -26,7 +28,7 @@ class RunConfigError(ValueError):
 def _common_problems(config) -> list[str]:
     import torch
 
-    problems = raised_problems(check_model_id, config.model_id)
+    problems = _source_problems(config) or raised_problems(check_model_id, config.model_id)
     if not problems and check_model_id(config.model_id) is not None:
         problems += _kind_problems(config, check_model_id(config.model_id).name, config.model_id)
     if getattr(config, "chat_template", None):
@@ -41,6 +43,19 @@ def _common_problems(config) -> list[str]:
         problems.append(f"backend={config.backend!r}: the {objective.name} objective runs on "
                         f"{', '.join(sorted(objective.backends))}.")
     return problems + _split_problems(config, objective)
+
+
+def _source_problems(config) -> list[str]:
+    """Ids that cannot resolve (bad syntax, a local path that does not exist) and local pickle-only weights:
+    caught here, before a Prefect server or any task starts."""
+    problems = id_problems("model_id", config.model_id)
+    for field in ("dataset", "eval_dataset"):
+        if getattr(config, field, None):
+            problems += id_problems(field, getattr(config, field))
+    if not problems and "://" not in config.model_id and Path(config.model_id).expanduser().is_dir():
+        problems += raised_problems(check_weight_files, Path(config.model_id).expanduser(), config.model_id,
+                                    getattr(config, "allow_pickle_weights", False))
+    return problems
 
 
 def _split_problems(config, objective) -> list[str]:

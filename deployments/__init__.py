@@ -1,0 +1,3 @@
+"""Deployments of the flows (serve.py, presets.py, prefect.yaml); importing flows turns Prefect server
+analytics off (see flows/__init__.py)."""
+import flows  # noqa: F401

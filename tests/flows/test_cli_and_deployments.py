@@ -1,4 +1,5 @@
 """The command line (`python -m flows.sft`) and the deployment presets."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -147,3 +148,14 @@ def test_wrong_multi_machine_flags_fail_before_anything_runs(argv, words):
         parse_config(SFTConfig, argv, "d")
     for word in words:
         assert word in str(err.value)
+
+
+def test_prefect_servers_started_for_this_project_send_no_analytics():
+    """The temporary server of `python -m flows.*` and `deployments.serve` inherit the flows package's
+    default; a user's own setting wins."""
+    code = "import flows; from prefect.settings import get_current_settings as s; print(s().server.analytics_enabled)"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_ANALYTICS_ENABLED"}
+    run = lambda extra: subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, **extra},  # noqa: E731
+                                       capture_output=True, text=True, check=True).stdout.strip()
+    assert run({}) == "False"
+    assert run({"PREFECT_SERVER_ANALYTICS_ENABLED": "true"}) == "True"

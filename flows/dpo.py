@@ -33,7 +33,7 @@ from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
 from tasks.train import train
-from twinkle_core.config.fields import (AdapterFields, BackendFields, BatchSize, ChatDataFields, CheckpointEvery,
+from twinkle_core.config.fields import (AdapterFields, BackendFields, BatchSize, ChatDataFields, CheckpointFields,
                                         DataParallelFields, DatasetId, DataSourceFields, Epochs, EvalDatasetId,
                                         EvalFields, ExperimentName, LearningRate, LoopFields, MachinesFields,
                                         MaxLength, ModelParallelFields, OptimizerFields, PreferenceFields,
@@ -48,8 +48,8 @@ CHAMPION_METRIC = "reward_accuracy"  # a new version becomes champion when its h
 
 
 class DPOConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
-                OptimizerFields, LoopFields, AdapterFields, PreferenceFields, ChatDataFields, BackendFields,
-                DataSourceFields, TrainingFlowConfig):
+                OptimizerFields, LoopFields, CheckpointFields, AdapterFields, PreferenceFields, ChatDataFields,
+                BackendFields, DataSourceFields, TrainingFlowConfig):
     """Parameters of the dpo flow (the Prefect UI form and the CLI options; groups listed last-first)."""
 
     kind: ClassVar[str] = "dpo"
@@ -65,7 +65,6 @@ class DPOConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, 
     # margin; on the default run the chosen log-prob then rose only from -70 to -54 and the model did not
     # say the chosen answer. With 1.0 it rose to -2.1 and it does. --rpo-alpha 0 is plain DPO.
     rpo_alpha: RpoAlpha = 1.0
-    checkpoint_every: CheckpointEvery = 50
     registered_model_name: RegisteredModelName = None
     experiment_name: ExperimentName = "twinkle-dpo"
 

@@ -29,7 +29,7 @@ from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
 from tasks.train import train
-from twinkle_core.config.fields import (AdapterFields, BackendFields, CheckpointEvery, DataParallelFields, DatasetId,
+from twinkle_core.config.fields import (AdapterFields, BackendFields, CheckpointFields, DataParallelFields, DatasetId,
                                         BatchSize, DataSourceFields, EmbeddingDataFields, EmbeddingFields, EvalDatasetId,
                                         ExperimentName, LearningRate, LoopFields, MachinesFields, ModelId,
                                         ModelParallelFields, OptimizerFields, ProcessFields, RegisteredModelName,
@@ -48,8 +48,8 @@ CHAMPION_METRIC = "recall@1"  # a new version becomes champion when its held-out
 
 
 class EmbeddingConfig(RunFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
-                      OptimizerFields, LoopFields, AdapterFields, EmbeddingFields, EmbeddingDataFields, BackendFields,
-                      DataSourceFields, TrainingFlowConfig):
+                      OptimizerFields, LoopFields, CheckpointFields, AdapterFields, EmbeddingFields,
+                      EmbeddingDataFields, BackendFields, DataSourceFields, TrainingFlowConfig):
     """Parameters of the embedding flow (the Prefect UI form and the CLI options; groups listed last-first)."""
 
     kind: ClassVar[str] = "embedding"
@@ -60,7 +60,6 @@ class EmbeddingConfig(RunFields, ModelParallelFields, DataParallelFields, Machin
     eval_dataset: EvalDatasetId = DEFAULT_EVAL_DATASET
     lr: LearningRate = 2e-3
     batch_size: BatchSize = 32  # in-batch negatives: the larger the batch, the more of them
-    checkpoint_every: CheckpointEvery = 50
     registered_model_name: RegisteredModelName = None
     experiment_name: ExperimentName = "twinkle-embedding"
 

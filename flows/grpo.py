@@ -31,6 +31,7 @@ from tasks.register import register
 from tasks.tokenize import tokenize
 from tasks.train import train
 from twinkle_core.config.fields import (AdapterFields, BackendFields, BatchSize, ChatDataFields, CheckpointEvery,
+                                        CheckpointFields,
                                         DataParallelFields, DatasetId, DataSourceFields, Epochs, EvalDatasetId,
                                         ExperimentName, GrpoFields, LearningRate, LoopFields, MachinesFields,
                                         MaxCompletionLength, MaxLength, MaxSteps, ModelParallelFields,
@@ -47,8 +48,8 @@ CHAMPION_METRIC = "mean_reward"  # a new version becomes champion when its held-
 
 
 class GRPOConfig(RunFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields, OptimizerFields,
-                 LoopFields, AdapterFields, GrpoFields, ChatDataFields, BackendFields, DataSourceFields,
-                 TrainingFlowConfig):
+                 LoopFields, CheckpointFields, AdapterFields, GrpoFields, ChatDataFields, BackendFields,
+                 DataSourceFields, TrainingFlowConfig):
     """Parameters of the grpo flow (the Prefect UI form and the CLI options; groups listed last-first)."""
 
     kind: ClassVar[str] = "grpo"

@@ -27,7 +27,7 @@ from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
 from tasks.train import train
-from twinkle_core.config.fields import (AdapterFields, BackendFields, CheckpointEvery, DataParallelFields, DatasetId,
+from twinkle_core.config.fields import (AdapterFields, BackendFields, CheckpointFields, DataParallelFields, DatasetId,
                                         DataSourceFields, EvalDatasetId, EvalFields, ExperimentName, LoopFields,
                                         MachinesFields, ModelParallelFields, OptimizerFields, PackedChatDataFields,
                                         ProcessFields, RegisteredModelName, RouterAuxLossCoef, RunFields)
@@ -40,7 +40,7 @@ DEFAULT_EVAL_DATASET = "pkg://twinkle_core/datasets/self_cognition/heldout.jsonl
 
 
 class SFTConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
-                OptimizerFields, LoopFields, AdapterFields, PackedChatDataFields, BackendFields, DataSourceFields,
+                OptimizerFields, LoopFields, CheckpointFields, AdapterFields, PackedChatDataFields, BackendFields, DataSourceFields,
                 TrainingFlowConfig):
     """Parameters of the sft flow (the Prefect UI form and the CLI options; groups listed last-first)."""
 
@@ -48,7 +48,6 @@ class SFTConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, 
 
     dataset: DatasetId = DEFAULT_DATASET
     eval_dataset: EvalDatasetId = DEFAULT_EVAL_DATASET
-    checkpoint_every: CheckpointEvery = 50
     router_aux_loss_coef: RouterAuxLossCoef = None
     registered_model_name: RegisteredModelName = None
     experiment_name: ExperimentName = "twinkle-sft"

@@ -160,7 +160,8 @@ def test_invalid_parameters_are_rejected_before_any_task_naming_the_field(served
 def test_cancelling_a_run_stops_its_training_workers_within_seconds(served):
     output = served["root"] / "runs-cancel"
     flow_run = start(tiny_config(served, "runs-cancel", max_steps=100000, checkpoint_every=5))
-    wait_until(lambda: list(output.glob("*/checkpoints/training_state/progress.json")), what="training steps")
+    wait_until(lambda: list(output.glob("*/checkpoints/training_state/step-*/manifest.json")),
+               what="training steps")
     assert worker_processes(str(output))
     with get_client(sync_client=True) as client:
         cancelled_at = time.monotonic()
@@ -177,10 +178,10 @@ def test_cancelling_a_run_stops_its_training_workers_within_seconds(served):
 def test_a_crashed_run_retried_resumes_with_the_uninterrupted_losses(served, completed_run):
     output = served["root"] / "runs-crash"
     flow_run = start(tiny_config(served, "runs-crash"))
-    progress = wait_until(lambda: list(output.glob("*/checkpoints/training_state/progress.json")), what="a state")
+    states = wait_until(lambda: list(output.glob("*/checkpoints/training_state/step-*/manifest.json")), what="a state")
     for pid in worker_processes(str(output)):  # the machine "crashes": torchrun and its workers die at once
         os.kill(pid, signal.SIGKILL)
-    saved_step = read_progress(progress[0].parent.parent)["step"]
+    saved_step = read_progress(states[0].parents[2])["step"]
     assert wait_for(flow_run.id).state.type.value == "FAILED"
 
     with get_client(sync_client=True) as client:  # what the UI's Retry and `prefect flow-run retry` do

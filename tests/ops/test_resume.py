@@ -14,8 +14,9 @@ from tiny_models import SAMPLE_ROWS, save_tiny_model
 from twinkle_core.data import tokenize_dataset
 from twinkle_core.launch import _descendants, torchrun_command
 from twinkle_core.train.recipe import EVENT_PREFIX
-from twinkle_core.models.training_state import (PROGRESS_FILE, STATE_DIR, STATE_FILE, ResumeMismatch,
-                                                load_training_state, read_progress)
+from twinkle_core.models.state_dirs import finish_state, partial_dir
+from twinkle_core.models.training_state import (STATE_DIR, STATE_FILE, ResumeMismatch, load_training_state,
+                                                read_progress)
 
 TOTAL_STEPS, CHECKPOINT_EVERY, KILL_AT = 40, 3, 5
 
@@ -93,7 +94,8 @@ def test_a_killed_run_resumes_from_its_last_training_state(run_setup, layout):
     assert final["probe_loss"] == pytest.approx({e["event"]: e for e in reference}["checkpoint"]["probe_loss"],
                                                 abs=1e-6)
     assert (checkpoint_dir / "default" / "adapter_config.json").exists()
-    assert not list(checkpoint_dir.glob(f".{STATE_DIR}.tmp-*"))
+    assert not list((checkpoint_dir / STATE_DIR).glob(".*"))  # no partial write left behind
+    assert len(list((checkpoint_dir / STATE_DIR).glob("step-*"))) == 2  # keep_checkpoints=2
     print(f"{layout}: resumed from step {saved_step} (killed after step {last_step}); largest loss difference: "
           f"{max(abs(after[s] - expected[s]) for s in after):.2e}")
 
@@ -118,11 +120,11 @@ class _Payload:
 def test_a_state_file_that_would_run_code_is_refused_unrun(tmp_path):
     import torch
 
-    state_dir = tmp_path / STATE_DIR
-    state_dir.mkdir()
-    (state_dir / PROGRESS_FILE).write_text(json.dumps({"step": 3, "settings": {}}))
+    partial = partial_dir(tmp_path, 3)
+    partial.mkdir(parents=True)
     marker = tmp_path / "ran"
-    torch.save({"model": {}, "rng": [_Payload(marker)]}, state_dir / STATE_FILE)
+    torch.save({"model": {}, "rng": [_Payload(marker)]}, partial / STATE_FILE)
+    state_dir = finish_state(partial, {"step": 3, "settings": {}}, keep=2)  # checksums match: only the load refuses
     with pytest.raises(ResumeMismatch, match="holds more than tensors and plain data, so it is not loaded"):
         load_training_state(None, tmp_path, {})
     assert not marker.exists()

@@ -69,6 +69,7 @@ MaxSteps = Annotated[int | None, Field(ge=1, description="Stop after this many o
 BatchSize = Annotated[int, Field(ge=1, description="Samples per micro-batch, in total over all data-parallel processes (each takes its share).")]
 GradientAccumulation = Annotated[int, Field(ge=1, description="Micro-batches per optimizer step.")]
 MicroBatchSize = Annotated[int, Field(ge=1, description="Backend megatron: rows per micro-batch of the pipeline schedule.")]
+KeepCheckpoints = Annotated[int, Field(ge=1, description="How many of the newest resumable training states to keep (a damaged newest one is skipped on resume for the one before).")]
 CheckpointEvery = Annotated[int | None, Field(ge=1, description="Save a resumable training state every N optimizer steps; a retried flow run resumes from the last one (empty: never).")]
 RouterAuxLossCoef = Annotated[float | None, Field(ge=0, description="MoE router load-balancing loss weight (empty: the model config's; 0: off).")]
 
@@ -350,6 +351,13 @@ class ModelParallelFields(BaseModel):
     pp_size: PpSize = 1
     ep_size: EpSize = 1
     sequence_parallel: SequenceParallel = False
+
+
+class CheckpointFields(BaseModel):
+    """Resumable training states: how often one is saved, how many are kept."""
+
+    checkpoint_every: CheckpointEvery = 50
+    keep_checkpoints: KeepCheckpoints = 2
 
 
 class RunFields(BaseModel):

@@ -41,7 +41,9 @@ from twinkle_core.megatron.step import run_schedule, split_micro_batches
 from twinkle_core.models.batches import to_batch
 from twinkle_core.models.schedulers import lr_factor
 from twinkle_core.models.stepper import held_out_metrics
-from twinkle_core.models.training_state import PROGRESS_FILE, STATE_DIR, check_resume_settings
+from twinkle_core.models.state_dirs import (PROGRESS_FILE, finish_state, newest_intact_state, partial_dir,
+                                            remove_partial)
+from twinkle_core.models.training_state import check_resume_settings
 from twinkle_core.parallel.process_group import close_distributed
 from twinkle_core.precision import MixedPrecision, resolve_precision
 
@@ -301,29 +303,30 @@ class MegatronModel:
             self.step = int(state.get("step", 0))
             self._apply_lr()
 
-    def save_training_state(self, checkpoint_dir: str | Path, progress: dict) -> None:
-        """`checkpoint_dir/training_state`: a dist checkpoint of model, optimizer and step, plus `progress`;
-        it replaces the previous state only once complete."""
-        checkpoint_dir = Path(checkpoint_dir)
-        partial = checkpoint_dir / f"{STATE_DIR}.partial"
-        self.save(partial.name, checkpoint_dir)
+    def save_training_state(self, checkpoint_dir: str | Path, progress: dict, keep: int = 2) -> None:
+        """A new state under `checkpoint_dir/training_state` (twinkle_core.models.state_dirs): a dist checkpoint
+        of model, optimizer and step, plus `progress` and checksums; published only once complete, the newest
+        `keep` kept."""
+        partial = partial_dir(checkpoint_dir, self.step)
         if _is_rank0():
-            (partial / PROGRESS_FILE).write_text(json.dumps({**progress, "step": self.step}))
-            target, old = checkpoint_dir / STATE_DIR, checkpoint_dir / f"{STATE_DIR}.old"
-            if target.exists():
-                target.rename(old)
-            partial.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(partial, ignore_errors=True)
+        _barrier()
+        self.save(partial.name, partial.parent)
+        if _is_rank0():
+            finish_state(partial, {**progress, "step": self.step}, keep)
         _barrier()
 
     def load_training_state(self, checkpoint_dir: str | Path, settings: dict) -> dict | None:
-        """Restore the state `save_training_state` wrote with these settings; its progress (None: none)."""
-        progress_file = Path(checkpoint_dir) / STATE_DIR / PROGRESS_FILE
-        if not progress_file.is_file():
+        """Restore the newest intact state `save_training_state` wrote with these settings; its progress
+        (None: none)."""
+        if _is_rank0():
+            remove_partial(checkpoint_dir)
+        state = newest_intact_state(checkpoint_dir)
+        if state is None:
             return None
-        progress = json.loads(progress_file.read_text())
-        check_resume_settings(progress, settings, progress_file.parent)
-        self.load(STATE_DIR, checkpoint_dir)
+        progress = json.loads((state / PROGRESS_FILE).read_text())
+        check_resume_settings(progress, settings, state)
+        self.load(state.name, state.parent)
         return progress
 
     def export(self, name: str, output_dir: str | Path) -> Path:

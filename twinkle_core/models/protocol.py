@@ -53,10 +53,11 @@ class TrainableModel(Protocol):
     def export(self, name: str, output_dir: str | Path) -> Path:
         """The trained result as a Hugging Face directory or PEFT adapter (what evaluation and the registry read)."""
 
-    def save_training_state(self, checkpoint_dir: str | Path, progress: dict) -> None:
-        """A resumable training state under checkpoint_dir (written atomically; the last complete one survives)."""
+    def save_training_state(self, checkpoint_dir: str | Path, progress: dict, keep: int = 2) -> None:
+        """A resumable training state under checkpoint_dir (published when complete, with checksums; the newest
+        `keep` are kept: twinkle_core.models.state_dirs)."""
 
     def load_training_state(self, checkpoint_dir: str | Path, settings: dict) -> dict | None:
-        """Restore the last training state saved with these settings; its progress, or None when there is none."""
+        """Restore the newest intact training state saved with these settings; its progress, or None."""
 
     def close(self) -> None: ...

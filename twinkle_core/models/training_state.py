@@ -1,18 +1,19 @@
 """Resumable training state: what a crashed or cancelled run needs to continue exactly where it stopped.
 
-Every `checkpoint_every` optimizer steps the recipe writes `checkpoint_dir/training_state/`:
+Every `checkpoint_every` optimizer steps the recipe writes `checkpoint_dir/training_state/step-NNNNNNNN/`
+(twinkle_core.models.state_dirs: checksums, the last `keep_checkpoints` kept, damaged ones skipped):
 
     state.pt       trainable weights (the LoRA adapter, or every weight in full fine-tuning), optimizer and
-                   LR-scheduler state, the fp16 loss scaler, the optimizer step count, every rank's RNG state
+                   LR-scheduler state, the fp16 loss scaler, the optimizer step count, every rank's RNG state;
+                   plain data only, read with `weights_only=True` (no pickled code runs on resume)
     progress.json  the step, the micro-batches of the seeded data order already consumed, and the settings
                    that must not change across a resume (a mismatch is refused, naming the setting)
+    manifest.json  the sha256 of both, written last
 
-`state.pt` holds plain data only and is read with `weights_only=True` (no pickled code runs on resume).
-It is written under a temporary name and renamed when complete (twinkle_core.atomic), so a crash, a
-cancel or a timeout at any moment leaves the last complete state. When the run starts again with the same
-`checkpoint_dir` (a retried flow run uses the same run folder), `load_training_state` restores all of it;
-the recipe then skips the consumed micro-batches of the same seeded order, so the resumed steps see the
-same data, learning rate and optimizer moments as an uninterrupted run: their losses are equal.
+When the run starts again with the same `checkpoint_dir` (a retried flow run uses the same run folder, and
+so does the same command run again), `load_training_state` restores the newest intact state; the recipe
+then skips the consumed micro-batches of the same seeded order, so the resumed steps see the same data,
+learning rate and optimizer moments as an uninterrupted run: their losses are equal.
 
 Several processes: `torch.distributed.checkpoint.state_dict.get_state_dict` gathers the full (unsharded)
 model and optimizer state on rank 0, which writes one file; on resume every rank reads it and
@@ -33,13 +34,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_state_dict)
 
-from twinkle_core.atomic import atomic_dir
+from twinkle_core.models.state_dirs import (PROGRESS_FILE, STATE_DIR, finish_state, newest_intact_state,
+                                            partial_dir, read_progress, remove_partial, saved_states, state_name,
+                                            state_root)
 from twinkle_core.parallel import is_main_process
 from twinkle_core.parallel.process_group import barrier
 
 logger = logging.getLogger(__name__)
-STATE_DIR = "training_state"
-STATE_FILE, PROGRESS_FILE = "state.pt", "progress.json"
+STATE_FILE = "state.pt"
+__all__ = ["STATE_DIR", "PROGRESS_FILE", "STATE_FILE", "ResumeMismatch", "check_resume_settings",
+           "load_training_state", "read_progress", "save_training_state"]
 
 
 class ResumeMismatch(ValueError):
@@ -53,28 +57,31 @@ def _options() -> StateDictOptions:
                             strict=False)
 
 
-def save_training_state(model: Any, checkpoint_dir: str | Path, progress: dict) -> Path:
-    """Write `checkpoint_dir/training_state` for a TransformersModel (every rank calls it)."""
+def save_training_state(model: Any, checkpoint_dir: str | Path, progress: dict, keep: int = 2) -> Path:
+    """Write a new state under `checkpoint_dir/training_state` for a TransformersModel (every rank calls it);
+    keep the newest `keep`. A failed write (a full disk) leaves the earlier states as they were."""
     module, stepper = model.training_parts()
     weights, optimizer = get_state_dict(module, stepper.optimizer, options=_options())
     rng = _all_ranks(_rng_state())  # each rank's own: their dropout masks differ
-    target = Path(checkpoint_dir) / STATE_DIR
+    partial = partial_dir(checkpoint_dir, stepper.step)
+    saved = None
     if is_main_process():
         state = {"model": weights, "optimizer": optimizer, "step": stepper.step,
                  "scheduler": stepper.scheduler.state_dict() if stepper.scheduler else None,
                  "scaler": stepper.scaler.state_dict() if stepper.scaler else None, "rng": rng}
-        with atomic_dir(target) as tmp:
-            torch.save(state, tmp / STATE_FILE)
-            (tmp / PROGRESS_FILE).write_text(json.dumps({**progress, "step": stepper.step}, indent=2))
-        logger.info("saved the training state at step %d to %s", stepper.step, target)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        try:
+            torch.save(state, partial / STATE_FILE)
+            saved = finish_state(partial, {**progress, "step": stepper.step}, keep)
+        except OSError as err:
+            shutil.rmtree(partial, ignore_errors=True)
+            kept = [s.name for s in saved_states(checkpoint_dir)]
+            raise OSError(err.errno, f"saving the training state of step {stepper.step} failed ({err.strerror or err}); "
+                                     f"the earlier states {kept or 'none'} in {state_root(checkpoint_dir)} are intact")
+        logger.info("saved the training state at step %d to %s", stepper.step, saved)
     barrier()  # no rank trains on before the state exists
-    return target
-
-
-def read_progress(checkpoint_dir: str | Path) -> dict | None:
-    """The progress record of the last complete training state, or None when there is none."""
-    path = Path(checkpoint_dir) / STATE_DIR / PROGRESS_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    return saved or state_root(checkpoint_dir) / state_name(stepper.step)
 
 
 def check_resume_settings(progress: dict, settings: dict, where: Path) -> None:
@@ -87,26 +94,26 @@ def check_resume_settings(progress: dict, settings: dict, where: Path) -> None:
 
 
 def load_training_state(model: Any, checkpoint_dir: str | Path, settings: dict) -> dict | None:
-    """Restore the last training state into `model`; return its progress record (None: nothing to resume).
+    """Restore the newest intact training state into `model`; return its progress record (None: nothing to
+    resume).
 
     `settings` are the values the state was written with (`progress["settings"]`); any difference is
     refused, since resuming under another data order, batch size or schedule is not a resume.
     """
-    checkpoint_dir = Path(checkpoint_dir)
-    for stale in checkpoint_dir.glob(f".{STATE_DIR}.tmp-*"):  # a write that a crash interrupted
-        shutil.rmtree(stale, ignore_errors=True)
-    progress = read_progress(checkpoint_dir)
-    if progress is None:
+    remove_partial(checkpoint_dir)
+    state_dir = newest_intact_state(checkpoint_dir)
+    if state_dir is None:
         return None
-    check_resume_settings(progress, settings, checkpoint_dir / STATE_DIR)
-    state = read_state_file(checkpoint_dir / STATE_DIR / STATE_FILE)
+    progress = json.loads((state_dir / PROGRESS_FILE).read_text())
+    check_resume_settings(progress, settings, state_dir)
+    state = read_state_file(state_dir / STATE_FILE)
     module, stepper = model.training_parts()
     keys = set_state_dict(module, stepper.optimizer, model_state_dict=state["model"],
                           optim_state_dict=state["optimizer"], options=_options())
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
     missing = sorted(set(keys.missing_keys) & trainable)
     if missing or keys.unexpected_keys:
-        raise ResumeMismatch(f"{checkpoint_dir / STATE_DIR} does not fit this model: missing {missing[:5]}, "
+        raise ResumeMismatch(f"{state_dir} does not fit this model: missing {missing[:5]}, "
                              f"unexpected {list(keys.unexpected_keys)[:5]}; use a new checkpoint_dir to start over.")
     stepper.step = progress["step"]
     if stepper.scheduler is not None:
@@ -115,7 +122,7 @@ def load_training_state(model: Any, checkpoint_dir: str | Path, settings: dict) 
         stepper.scaler.load_state_dict(state["scaler"])
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     _set_rng_state(state["rng"][rank if rank < len(state["rng"]) else 0])
-    logger.info("resumed from the training state at step %d (%s)", progress["step"], checkpoint_dir / STATE_DIR)
+    logger.info("resumed from the training state at step %d (%s)", progress["step"], state_dir)
     return progress
 
 

@@ -334,8 +334,8 @@ class TransformersModel:
         saved = self.save(name, output_dir)
         return self.objective.export(self, saved, Path(output_dir)) if self.objective.export else saved
 
-    def save_training_state(self, checkpoint_dir: str | Path, progress: dict) -> None:
-        save_training_state(self, checkpoint_dir, progress)
+    def save_training_state(self, checkpoint_dir: str | Path, progress: dict, keep: int = 2) -> None:
+        save_training_state(self, checkpoint_dir, progress, keep)
 
     def load_training_state(self, checkpoint_dir: str | Path, settings: dict) -> dict | None:
         return load_training_state(self, checkpoint_dir, settings)

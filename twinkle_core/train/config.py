@@ -9,8 +9,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from twinkle_core.config.fields import (AdapterFields, BackendName, CheckpointEvery, LoopFields, MixedPrecisionMode,
-                                        ModelId, ModelLoadFields, OptimizerFields, RouterAuxLossCoef)
+from twinkle_core.config.fields import (AdapterFields, BackendName, CheckpointEvery, KeepCheckpoints, LoopFields,
+                                        MixedPrecisionMode, ModelId, ModelLoadFields, OptimizerFields,
+                                        RouterAuxLossCoef)
 from twinkle_core.parallel import ParallelConfig
 
 
@@ -42,5 +43,6 @@ class TrainRunConfig(RunConfigFile, AdapterFields, OptimizerFields, LoopFields, 
     router_aux_loss_coef: RouterAuxLossCoef = None
     log_every: int = Field(1, ge=1)
     checkpoint_every: CheckpointEvery = None
+    keep_checkpoints: KeepCheckpoints = 2
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None

@@ -86,7 +86,8 @@ class SFTRecipe:
         self.start_step = self._resume()  # last: it restores the RNG state that training continues with
 
     def _save_training_state(self) -> None:
-        self.model.save_training_state(self.config.checkpoint_dir, {"settings": self._resume_settings()})
+        self.model.save_training_state(self.config.checkpoint_dir, {"settings": self._resume_settings()},
+                                       keep=self.config.keep_checkpoints)
 
     def _resume_settings(self) -> dict:
         """What must be the same for a saved training state to be resumed (same data order and schedule)."""

@@ -46,15 +46,39 @@ def _coerce(model: type[BaseModel], name: str, raw: str):
 
 
 def run_from_cli(flow, model: type[BaseModel], argv: list[str] | None, doc: str) -> int:
-    """`python -m flows.<name>`: the options into the flow's parameters, the flow run, its summary printed."""
-    result = flow(parse_config(model, argv, description=doc.splitlines()[0]))
+    """`python -m flows.<name>`: the options into the flow's parameters, the flow run, its summary printed.
+
+    `--resume RUN_FOLDER` runs again in an earlier run's folder, from the parameters it started with (flags
+    may change what does not affect training): training continues from its last saved state."""
+    config, resume = parse_args(model, argv, description=doc.splitlines()[0])
+    from flows.run_folder import resuming
+
+    with resuming(resume):
+        result = flow(config)
     print("\n" + result["summary"], flush=True)
     return 0
 
 
 def parse_config(model: type[BaseModel], argv: list[str] | None, description: str) -> BaseModel:
-    args = build_parser(model, description).parse_args(argv)
+    return parse_args(model, argv, description)[0]
+
+
+def parse_args(model: type[BaseModel], argv: list[str] | None, description: str) -> tuple[BaseModel, Path | None]:
+    """The flow's parameters (defaults, then the resumed run's, the --config file, the flags) and the run
+    folder to resume in (None: a new one)."""
+    parser = build_parser(model, description)
+    if getattr(model, "resumable", False):
+        parser.add_argument("--resume", type=Path, metavar="RUN_FOLDER",
+                            help="Continue an earlier run in its folder (output_dir/<time>-<run name>) from its "
+                                 "last training state, with the parameters it started with.")
+    args = parser.parse_args(argv)
+    resume = getattr(args, "resume", None)
     values: dict = {}
+    if resume is not None:
+        from flows.run_folder import resume_parameters
+
+        resume = resume.resolve()
+        values.update(resume_parameters(resume, model.kind))
     if args.config is not None:
         if not args.config.exists():
             raise SystemExit(f"--config {args.config}: no such file")
@@ -62,9 +86,10 @@ def parse_config(model: type[BaseModel], argv: list[str] | None, description: st
         unknown = sorted(set(values) - set(model.model_fields))
         if unknown:
             raise SystemExit(f"--config {args.config}: unknown options {unknown}; see --help for the valid ones")
-    values.update({k: _coerce(model, k, v) for k, v in vars(args).items() if k != "config" and v is not None})
+    values.update({k: _coerce(model, k, v) for k, v in vars(args).items()
+                   if k not in ("config", "resume") and v is not None})
     try:
-        return model.model_validate(values)
+        return model.model_validate(values), resume
     except ValidationError as err:
         raise SystemExit("invalid options:\n" + "\n".join(_describe(error) for error in err.errors())) from None
 

@@ -124,7 +124,7 @@ def render_dpo_summary(config: DPOConfig, prompts: list[list[dict]], reports: di
 @flow(name="dpo")
 def dpo(config: DPOConfig = DPOConfig()) -> dict:
     """Train `config.model_id` on the preference pairs of `config.dataset` and register it in MLflow."""
-    run_dir = run_folder(config.output_dir)  # a retry of this flow run gets the same folder and resumes
+    run_dir = run_folder(config.output_dir, config)  # a retry of this flow run gets the same folder and resumes
     model = download_model(config.model_id, **config.model_options())
     config.check_model(model)
     train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)

@@ -105,7 +105,7 @@ def render_embedding_summary(config: EmbeddingConfig, reports: dict, registratio
 @flow(name="embedding")
 def embedding(config: EmbeddingConfig = EmbeddingConfig()) -> dict:
     """Train `config.model_id` as an embedding model on `config.dataset` and register it in MLflow."""
-    run_dir = run_folder(config.output_dir)  # a retry of this flow run gets the same folder and resumes
+    run_dir = run_folder(config.output_dir, config)  # a retry of this flow run gets the same folder and resumes
     model = download_model(config.model_id, **config.model_options())
     config.check_model(model)
     # The pooling and query prompt: the run's choice, else the checkpoint's files, else the family's.

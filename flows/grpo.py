@@ -136,7 +136,7 @@ def render_grpo_summary(config: GRPOConfig, reports: dict, registration: dict, r
 @flow(name="grpo")
 def grpo(config: GRPOConfig = GRPOConfig()) -> dict:
     """Train `config.model_id` with GRPO on the prompts of `config.dataset` and register it in MLflow."""
-    run_dir = run_folder(config.output_dir)  # a retry of this flow run gets the same folder and resumes
+    run_dir = run_folder(config.output_dir, config)  # a retry of this flow run gets the same folder and resumes
     model = download_model(config.model_id, **config.model_options())
     config.check_model(model)
     train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)

@@ -66,6 +66,7 @@ class MultiLoraConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFi
     """Parameters of the multi_lora flow (the Prefect UI form and the CLI options; groups listed last-first)."""
 
     kind: ClassVar[str] = "multi_lora"
+    resumable: ClassVar[bool] = False  # its tenants save no training state yet
 
     tenants: list[TenantSpec] = Field(default_factory=lambda: list(DEFAULT_TENANTS), min_length=1, description="The tenants, as a YAML/JSON list of {name, dataset, eval_dataset, lora_r, lr, ...}.")
     mixed_batches: MixedBatches = True

@@ -27,6 +27,7 @@ class TrainingFlowConfig(ModelSourceFields):
 
     kind: ClassVar[str]  # the flow's name, in messages and rules
     objective: ClassVar[str] = "causal_lm"  # the training objective (twinkle_core.objectives)
+    resumable: ClassVar[bool] = True  # --resume RUN_FOLDER continues a run in its folder (flows.run_folder)
 
     model_id: ModelId = DEFAULT_MODEL
 

@@ -93,7 +93,7 @@ class PretrainConfig(RunFields, ModelParallelFields, MachinesFields, ProcessFiel
 @flow(name="pretrain")
 def pretrain(config: PretrainConfig = PretrainConfig()) -> dict:
     """Continue pre-training `config.model_id` on `config.dataset` with megatron-core and register the result."""
-    run_dir = run_folder(config.output_dir)
+    run_dir = run_folder(config.output_dir, config)
     timeout_s = config.timeout_minutes * 60
     model = download_model(config.model_id, **config.model_options())
     config.check_model(model)  # model-dependent rules (tp_size vs the heads, MoE under tp) before the rest

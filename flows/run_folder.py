@@ -1,19 +1,40 @@
-"""The folder of one flow run (configs, checkpoints, eval results); a retry of the flow run reuses it.
+"""The folder of one flow run (configs, checkpoints, eval results); a retry of the flow run reuses it, and
+so does `python -m flows.<name> --resume RUN_FOLDER`.
 
 Reusing it is what lets a retried run resume training from the training state its first attempt saved.
+The folder also keeps the run's parameters (`parameters.json`), which `--resume` starts from.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import json
 import time
 from pathlib import Path
+from typing import Iterator
 
 from prefect.runtime import flow_run
 
 FLOW_RUN_ID_FILE = "prefect_flow_run_id"
+PARAMETERS_FILE = "parameters.json"
+_RESUME: contextvars.ContextVar[Path | None] = contextvars.ContextVar("resume_folder", default=None)
 
 
-def run_folder(output_dir: str) -> Path:
-    """`output_dir/<time>-<flow run name>`: the first attempt's folder when this flow run ran before."""
+@contextlib.contextmanager
+def resuming(folder: Path | None) -> Iterator[None]:
+    """Inside, the flow run works in `folder` (an earlier run's), so training resumes from its last state."""
+    token = _RESUME.set(folder)
+    try:
+        yield
+    finally:
+        _RESUME.reset(token)
+
+
+def run_folder(output_dir: str, config=None) -> Path:
+    """`output_dir/<time>-<flow run name>`: the first attempt's folder when this flow run ran before, or the
+    folder given to --resume. A new folder records `config` (the flow's parameters) for a later --resume."""
+    if _RESUME.get() is not None:
+        return _RESUME.get()
     root = Path(output_dir).resolve()
     run_id = str(flow_run.id) if flow_run.id else None
     for earlier in sorted(root.glob(f"*-{flow_run.name}")) if run_id else []:
@@ -24,4 +45,21 @@ def run_folder(output_dir: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     if run_id:
         (folder / FLOW_RUN_ID_FILE).write_text(run_id)
+    if config is not None:
+        (folder / PARAMETERS_FILE).write_text(json.dumps({"flow": config.kind,
+                                                          "parameters": config.model_dump(mode="json")}, indent=2))
     return folder
+
+
+def resume_parameters(folder: Path, kind: str) -> dict:
+    """The parameters an earlier run of this flow in `folder` started with (what --resume starts from)."""
+    path = folder / PARAMETERS_FILE
+    if not folder.is_dir():
+        raise SystemExit(f"--resume {folder}: no such run folder")
+    if not path.is_file():
+        raise SystemExit(f"--resume {folder}: no {PARAMETERS_FILE} in it; give the folder of a run this project "
+                         "started (output_dir/<time>-<run name>)")
+    saved = json.loads(path.read_text())
+    if saved["flow"] != kind:
+        raise SystemExit(f"--resume {folder}: that folder is a run of the {saved['flow']} flow, not of {kind}")
+    return saved["parameters"]

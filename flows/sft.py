@@ -66,7 +66,7 @@ class SFTConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, 
 @flow(name="sft")
 def sft(config: SFTConfig = SFTConfig()) -> dict:
     """Fine-tune `config.model_id` on `config.dataset` and register the result in MLflow."""
-    run_dir = run_folder(config.output_dir)  # a retry of this flow run gets the same folder and resumes
+    run_dir = run_folder(config.output_dir, config)  # a retry of this flow run gets the same folder and resumes
     model = download_model(config.model_id, **config.model_options())
     config.check_model(model)  # model-dependent rules (tp_size vs the heads, ...) before anything else runs
     train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)

@@ -5,6 +5,8 @@ from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+from flows.cli import parse_args
+from flows.run_folder import resuming
 from flows.sft import SFTConfig, sft
 from twinkle_core.tracking import tracking_uri
 
@@ -34,7 +36,7 @@ def _states_by_task(flow_run_id) -> dict[str, list[str]]:
 
 def test_sft_trains_logs_registers_and_caches(sft_workspace):
     ws = sft_workspace
-    state = sft(_config(ws), return_state=True)
+    state = sft(_config(ws, checkpoint_every=1), return_state=True)  # training states after steps 1 and 2
     result = state.result()
     client = MlflowClient(tracking_uri())
     run = client.get_run(result["run_id"])
@@ -55,8 +57,17 @@ def test_sft_trains_logs_registers_and_caches(sft_workspace):
     first = _states_by_task(state.state_details.flow_run_id)
     assert first["download_model"] == ["Completed"] and set(first["tokenize"]) == {"Completed"}
 
-    # Same inputs again: download and tokenize come from the cache; a second version is registered.
-    state2 = sft(_config(ws), return_state=True)
+    # `--resume FOLDER` (flows.cli): the first run again in its folder, from its saved parameters and its last
+    # training state (step 2). Download and tokenize come from the cache; step 3 repeats exactly; a second
+    # version is registered.
+    folder = next((ws["root"] / "runs").glob("*/parameters.json")).parent
+    assert parse_args(SFTConfig, ["--resume", str(folder)], "d") == (_config(ws, checkpoint_every=1), folder)
+    with resuming(folder):
+        state2 = sft(_config(ws, checkpoint_every=1), return_state=True)
+    assert "resumed from step 2" in state2.result()["summary"]
+    resumed = client.get_metric_history(state2.result()["run_id"], "loss")
+    assert [(m.step, round(m.value, 6)) for m in resumed] == [(3, round(losses[2].value, 6))]
+    assert len(list((ws["root"] / "runs").iterdir())) == 1
     second = _states_by_task(state2.state_details.flow_run_id)
     assert second["download_model"] == ["Cached"]
     assert second["download_dataset"] == ["Cached", "Cached"]

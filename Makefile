@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run run-embedding run-dpo run-grpo test bench bench-embedding bench-dpo clean
+.PHONY: install run run-embedding run-dpo run-grpo test test-fast bench bench-embedding bench-dpo clean
 
 install: $(STAMP)
 
@@ -31,8 +31,20 @@ run-dpo: install
 run-grpo: install
 	$(BIN)/python -m flows.grpo
 
+# The full suite, on 2 pytest-xdist workers (one test file per worker at a time: a file's session fixtures
+# stay on one worker). Each worker process starts its own Prefect and MLflow fixtures.
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
+
+# The edit-test loop: the unit tests (rows, configs, ids, rewards, losses, layers, launch), about 3 minutes.
+FAST_TESTS := tests/config tests/data tests/hub/test_hub_ids.py tests/hub/test_hub_hf.py tests/hub/test_hub_ms.py \
+	tests/hub/test_hub_local.py tests/hub/test_internlm2.py tests/rl tests/preference tests/families tests/tracking \
+	tests/train tests/test_layers.py tests/test_perf.py tests/test_launch.py tests/models/test_backends.py \
+	tests/models/test_untested_models.py tests/models/test_training_state.py tests/convert/test_bridge_errors.py \
+	tests/parallel/test_parallel_checkpoints.py tests/megatron/test_cpu_device.py tests/precision \
+	tests/ops/test_worker_tree.py tests/flows/test_cli_and_deployments.py
+test-fast: install
+	$(BIN)/python -m pytest -q $(FAST_TESTS)
 
 bench: install
 	$(BIN)/python bench/bench_lora.py

@@ -18,7 +18,7 @@ from twinkle_core.models.state_dirs import finish_state, partial_dir
 from twinkle_core.models.training_state import (STATE_DIR, STATE_FILE, ResumeMismatch, load_training_state,
                                                 read_progress)
 
-TOTAL_STEPS, CHECKPOINT_EVERY, KILL_AT = 40, 3, 5
+TOTAL_STEPS, CHECKPOINT_EVERY, KILL_AT = 24, 3, 5
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,18 @@
-"""MLflow logging and registry helpers (the one place metrics go through)."""
+"""MLflow logging and registry helpers (the one place metrics go through).
+
+The registry helpers import mlflow (about 1.3 s); they load on first use, so the training and evaluation
+workers, which only log through MetricsLogger (itself lazy), start without it.
+"""
 from twinkle_core.tracking.links import LOSS_CURVE, artifact_url, mlflow_ui_url, plot_loss_curve, run_url
 from twinkle_core.tracking.logger import MetricsLogger, redact, tracking_uri
-from twinkle_core.tracking.registry import RegistrationResult, register_version
 
 __all__ = ["LOSS_CURVE", "MetricsLogger", "RegistrationResult", "artifact_url", "mlflow_ui_url", "plot_loss_curve",
            "redact", "register_version", "run_url", "tracking_uri"]
+
+
+def __getattr__(name: str):
+    if name in ("RegistrationResult", "register_version"):
+        from twinkle_core.tracking import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -61,6 +61,6 @@ def test_a_redeclared_default_keeps_the_definition_and_the_place_in_the_form():
 
     assert SFTConfig.model_fields["lr"].default == 1e-3 and PretrainConfig.model_fields["lr"].default == 5e-5
     assert _definition(SFTConfig.model_fields["lr"]) == _definition(PretrainConfig.model_fields["lr"])
-    assert list(SFTConfig.model_fields)[:5] == ["model_id", "chat_template", "trust_remote_code", "dataset",
-                                                "eval_dataset"]
+    assert list(SFTConfig.model_fields)[:6] == ["model_id", "chat_template", "trust_remote_code",
+                                                "allow_pickle_weights", "dataset", "eval_dataset"]
     assert fields.OptimizerFields.model_fields["lr"].description == "Peak learning rate."

@@ -56,10 +56,13 @@ def _is_transient(task, task_run, state) -> bool:
 
 
 ID_CACHE = TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_id_cache_key)
+# Cached results are stored as JSON (their pydantic fields), never as pickles: whoever can write Prefect's
+# result storage cannot run code in a flow that reads a cache hit. The same holds in tokenize, pack and
+# evaluate_preference.
 
 
-@task(cache_policy=ID_CACHE, persist_result=True, retries=2, retry_delay_seconds=5,
-      retry_condition_fn=_is_transient)
+@task(cache_policy=ID_CACHE, persist_result=True, result_serializer="json", retries=2,
+      retry_delay_seconds=5, retry_condition_fn=_is_transient)
 def download_model(model_id: str, chat_template: str | None = None, trust_remote_code: bool = False,
                    allow_pickle_weights: bool = False) -> ModelRef:
     """Resolve a model id (ms://, hf://, pkg://, local, GGUF) to a Hugging Face directory.
@@ -83,8 +86,8 @@ def download_model(model_id: str, chat_template: str | None = None, trust_remote
                     allow_pickle_weights=allow_pickle_weights)
 
 
-@task(cache_policy=ID_CACHE, persist_result=True, retries=2, retry_delay_seconds=5,
-      retry_condition_fn=_is_transient)
+@task(cache_policy=ID_CACHE, persist_result=True, result_serializer="json", retries=2,
+      retry_delay_seconds=5, retry_condition_fn=_is_transient)
 def download_dataset(dataset_id: str) -> DatasetRef:
     """Resolve a dataset id (ms://, hf://, pkg://, local .jsonl/.json/.parquet) to one local file."""
     resolved = resolve_dataset(dataset_id)

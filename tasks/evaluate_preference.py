@@ -17,7 +17,7 @@ METRICS = ("reward_accuracy", "margin", "logps_chosen", "logps_rejected")
 TRAINED_ONLY = ("dpo_reward_accuracy", "dpo_reward_margin")
 
 
-@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True)
+@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
 def reference_logps(model: ModelRef, data: TokenizedRef, run_dir: str, mixed_precision: str = "auto",
                     timeout_s: float | None = None) -> TokenizedRef:
     """`data` with the reference (base) model's log-probs of every pair's replies, so that training needs no

@@ -15,7 +15,7 @@ from twinkle_core.hashing import hash_json
 from twinkle_core.paths import cache_root
 
 
-@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True)
+@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
 def pack(dataset: DatasetRef, model: ModelRef, seq_length: int, validation_fraction: float, seed: int,
          max_bad_fraction: float = 0.01) -> PackedRef:
     """Pack `dataset` with `model`'s tokenizer into train/validation sequences of `seq_length` tokens."""

@@ -9,7 +9,7 @@ from twinkle_core.data import tokenize_dataset
 from twinkle_core.families import get_family
 
 
-@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True)
+@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
 def tokenize(dataset: DatasetRef, model: ModelRef, max_length: int, packing: bool = False,
              max_bad_fraction: float = 0.01, enable_thinking: bool = True, kind: str = "chat",
              encode_options: dict | None = None) -> TokenizedRef:

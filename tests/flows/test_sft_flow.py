@@ -1,8 +1,10 @@
 """The sft flow end to end on a tiny model under a real Prefect API, MLflow store and torchrun."""
 import json
+from pathlib import Path
 
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
+from prefect.settings import get_current_settings
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from flows.cli import parse_args
@@ -56,6 +58,11 @@ def test_sft_trains_logs_registers_and_caches(sft_workspace):
     assert f"MLflow run id: {result['run_id']}" in result["summary"]
     first = _states_by_task(state.state_details.flow_run_id)
     assert first["download_model"] == ["Completed"] and set(first["tokenize"]) == {"Completed"}
+    # Cached task results are stored as JSON, never as pickles (tasks/download.py): a cache hit runs no code.
+    storage = Path(get_current_settings().results.local_storage_path)
+    records = [json.loads(f.read_text()) for f in storage.iterdir() if f.is_file()
+               and str(ws["model"]) in f.read_text(errors="ignore")]
+    assert records and {r["metadata"]["serializer"]["type"] for r in records} == {"json"}
 
     # `--resume FOLDER` (flows.cli): the first run again in its folder, from its saved parameters and its last
     # training state (step 2). Download and tokenize come from the cache; step 3 repeats exactly; a second

@@ -65,7 +65,7 @@ class GRPOConfig(RunFields, ModelParallelFields, DataParallelFields, MachinesFie
     reward_options: RewardOptions = {"format": {"pattern": NUMBER_ONLY}}
     max_completion_length: MaxCompletionLength = 16
     epochs: Epochs = 1.0
-    max_steps: MaxSteps = 30
+    max_steps: MaxSteps = 24
     batch_size: BatchSize = 8  # prompts per step: batch_size x num_generations completions
     lr: LearningRate = 3e-4
     checkpoint_every: CheckpointEvery = 20

@@ -11,10 +11,10 @@ __all__ = [
     "ParsedId",
     "ResolvedDataset",
     "ResolvedModel",
+    "check_weight_files",
     "id_problems",
     "is_offline",
     "parse_id",
-    "check_weight_files",
     "resolve_dataset",
     "resolve_model",
 ]

@@ -5,7 +5,7 @@ import importlib.util
 from pathlib import Path
 
 from .errors import HubError
-from .ids import ParsedId
+from .ids import ParsedId, parse_id
 
 
 def local_target(parsed: ParsedId, text: str) -> Path:
@@ -41,8 +41,6 @@ def _package_target(name: str, text: str) -> Path:
 def id_problems(field: str, text: str) -> list[str]:
     """What is wrong with an id before anything is downloaded: its syntax, and for a local or pkg:// id
     whether the file exists (checked when a run's settings are validated, before any server or task starts)."""
-    from .ids import parse_id
-
     try:
         parsed = parse_id(text)
         if parsed.scheme in ("local", "pkg"):

@@ -61,8 +61,7 @@ class GRPORecipe(SFTRecipe):
         generations = self.rollout["num_generations"]
         prompt_ids = [list(e["prompt_ids"]) for e in examples]
         seed = self.config.seed * 1_000_003 + index * 1_009 + self.model.data_parallel_rank
-        with self.model.whole_weights():  # FSDP: each rank generates alone, for as many tokens as it needs
-            completions = self.sampler.sample(prompt_ids, generations, self.settings, seed)
+        completions = self.sampler.sample(prompt_ids, generations, self.settings, seed)
         texts = self.model.tokenizer.batch_decode(completions, skip_special_tokens=True)
         rows = [{**json.loads(e["fields"]), "row": e.get("row", i)} for i, e in enumerate(examples)
                 for _ in range(generations)]
@@ -92,7 +91,7 @@ class GRPORecipe(SFTRecipe):
 
     def _old_logps(self, batch: dict) -> torch.Tensor:
         """The policy's log-probs of the sampled tokens before the update, aligned with labels."""
-        with torch.no_grad(), self.model.whole_weights(), self.model.precision.autocast(self.model.device.type):
+        with torch.no_grad(), self.model.precision.autocast(self.model.device.type):
             logps, _, selected, _ = completion_logps(self.model.model, batch)
         aligned = torch.zeros(batch["labels"].shape, dtype=torch.float32)
         aligned[:, 1:][selected.cpu()] = logps.float().cpu()
@@ -105,9 +104,12 @@ class GRPORecipe(SFTRecipe):
         index = step // iterations
         while step < self.total_steps:
             began = time.perf_counter()
-            batch, rollout_metrics = self.make_rollout(next(rollouts), index)
-            if iterations > 1:
-                batch["old_logps"] = self._old_logps(batch)
+            # FSDP: the whole model gathered once, for the sampling (each rank generates alone, for as many
+            # tokens as it needs) and the old log-probs
+            with self.model.whole_weights():
+                batch, rollout_metrics = self.make_rollout(next(rollouts), index)
+                if iterations > 1:
+                    batch["old_logps"] = self._old_logps(batch)
             rollout_seconds = time.perf_counter() - began
             index += 1
             for _ in range(min(iterations, self.total_steps - step)):

@@ -16,7 +16,7 @@ from typing import Literal
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field, model_validator
 
-from flows.cli import parse_config
+from flows.cli import parse_args, report_user_errors
 from tasks.convert import open_megatron_checkpoint, place_output, to_hf, to_megatron
 from tasks.download import download_model
 from twinkle_core.config.fields import ModelId, TimeoutMinutes
@@ -60,8 +60,10 @@ def convert_checkpoint(config: ConvertConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_config(ConvertConfig, argv, description=__doc__.splitlines()[0])
-    result = convert_checkpoint(config)
+    args = parse_args(ConvertConfig, argv, description=__doc__.splitlines()[0])
+    result = report_user_errors(lambda: convert_checkpoint(args.config), "convert", args.debug)
+    if result is None:
+        return 1
     print(result["path"], flush=True)
     return 0
 

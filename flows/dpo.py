@@ -23,7 +23,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
-from flows.run_folder import run_folder
+from flows.run_folder import discard_bare_run_folder, run_folder
 from flows.tracked import TrackedRun
 from flows.summary import _one_line, _precision, _settings, family_line, handed_off, registry_lines
 from tasks.download import download_dataset, download_model
@@ -121,7 +121,7 @@ def render_dpo_summary(config: DPOConfig, prompts: list[list[dict]], reports: di
     return "\n".join(lines + registry_lines(run_id, registration, checkpoint, links))
 
 
-@flow(name="dpo")
+@flow(name="dpo", on_failure=[discard_bare_run_folder])
 def dpo(config: DPOConfig = DPOConfig()) -> dict:
     """Train `config.model_id` on the preference pairs of `config.dataset` and register it in MLflow."""
     run_dir = run_folder(config.output_dir, config)  # a retry of this flow run gets the same folder and resumes

@@ -20,7 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
-from flows.run_folder import run_folder
+from flows.run_folder import discard_bare_run_folder, run_folder
 from flows.tracked import TrackedRun
 from flows.summary import family_line, handed_off, registry_lines
 from tasks.download import download_dataset, download_model
@@ -102,7 +102,7 @@ def render_embedding_summary(config: EmbeddingConfig, reports: dict, registratio
                                             ", a sentence-transformers directory"))
 
 
-@flow(name="embedding")
+@flow(name="embedding", on_failure=[discard_bare_run_folder])
 def embedding(config: EmbeddingConfig = EmbeddingConfig()) -> dict:
     """Train `config.model_id` as an embedding model on `config.dataset` and register it in MLflow."""
     run_dir = run_folder(config.output_dir, config)  # a retry of this flow run gets the same folder and resumes

@@ -21,7 +21,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
-from flows.run_folder import run_folder
+from flows.run_folder import discard_bare_run_folder, run_folder
 from flows.tracked import TrackedRun
 from flows.summary import _one_line, _precision, _settings, family_line, handed_off, registry_lines
 from tasks.download import download_dataset, download_model
@@ -133,7 +133,7 @@ def render_grpo_summary(config: GRPOConfig, reports: dict, registration: dict, r
     return "\n".join(lines + registry_lines(run_id, registration, checkpoint, links))
 
 
-@flow(name="grpo")
+@flow(name="grpo", on_failure=[discard_bare_run_folder])
 def grpo(config: GRPOConfig = GRPOConfig()) -> dict:
     """Train `config.model_id` with GRPO on the prompts of `config.dataset` and register it in MLflow."""
     run_dir = run_folder(config.output_dir, config)  # a retry of this flow run gets the same folder and resumes

@@ -15,8 +15,6 @@ MLflow run and in the summary, and the others finish.
 from __future__ import annotations
 
 import sys
-import time
-from pathlib import Path
 from typing import ClassVar
 
 from prefect import flow, get_run_logger
@@ -26,6 +24,7 @@ from pydantic import Field
 
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
+from flows.run_folder import discard_bare_run_folder, run_folder
 from flows.summary import family_line
 from tasks.convert import convert
 from tasks.download import download_dataset, download_model
@@ -109,12 +108,11 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-@flow(name="multi_lora")
+@flow(name="multi_lora", on_failure=[discard_bare_run_folder])
 def multi_lora(config: MultiLoraConfig = MultiLoraConfig()) -> dict:
     """Train one LoRA adapter per tenant on `config.model_id` in one job; evaluate and register each."""
     log = get_run_logger()
-    run_dir = Path(config.output_dir).resolve() / f"{time.strftime('%Y%m%d-%H%M%S')}-{flow_run.name or 'local'}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = run_folder(config.output_dir, config)  # a retry of this flow run gets the same folder
     # tokenizing and evaluation use the HF checkpoint
     hf_model = download_model(config.model_id, **config.model_options())
     config.check_model(hf_model)  # model-dependent rules before anything else runs

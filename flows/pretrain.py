@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
-from flows.run_folder import run_folder
+from flows.run_folder import discard_bare_run_folder, run_folder
 from tasks.convert import convert, open_megatron_checkpoint, to_hf
 from tasks.download import download_dataset, download_model
 from tasks.evaluate_lm import evaluate_lm
@@ -90,7 +90,7 @@ class PretrainConfig(RunFields, ModelParallelFields, MachinesFields, ProcessFiel
         return PretrainRunConfig(**self.model_dump(include=shared), **given)
 
 
-@flow(name="pretrain")
+@flow(name="pretrain", on_failure=[discard_bare_run_folder])
 def pretrain(config: PretrainConfig = PretrainConfig()) -> dict:
     """Continue pre-training `config.model_id` on `config.dataset` with megatron-core and register the result."""
     run_dir = run_folder(config.output_dir, config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Iterator
@@ -18,6 +19,7 @@ from prefect.runtime import flow_run
 FLOW_RUN_ID_FILE = "prefect_flow_run_id"
 PARAMETERS_FILE = "parameters.json"
 _RESUME: contextvars.ContextVar[Path | None] = contextvars.ContextVar("resume_folder", default=None)
+_CREATED: dict[str, Path] = {}  # flow run id: the folder run_folder made for it (not a resumed one)
 
 
 @contextlib.contextmanager
@@ -45,10 +47,24 @@ def run_folder(output_dir: str, config=None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     if run_id:
         (folder / FLOW_RUN_ID_FILE).write_text(run_id)
+        _CREATED[run_id] = folder
     if config is not None:
         (folder / PARAMETERS_FILE).write_text(json.dumps({"flow": config.kind,
                                                           "parameters": config.model_dump(mode="json")}, indent=2))
     return folder
+
+
+def discard_bare_run_folder(flow, flow_run, state) -> None:
+    """A flow's on_failure hook: a run that failed before writing anything (a bad id, data set or option)
+    leaves no folder behind. A folder holding anything else (logs, a training state) is kept for --resume."""
+    folder = _CREATED.pop(str(flow_run.id), None)
+    if folder is None or not folder.is_dir():
+        return
+    if any(path.is_file() and path.name not in (PARAMETERS_FILE, FLOW_RUN_ID_FILE) for path in folder.rglob("*")):
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        folder.parent.rmdir()  # output_dir too, when this run was all it held
 
 
 def resume_parameters(folder: Path, kind: str) -> dict:

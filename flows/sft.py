@@ -16,7 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
-from flows.run_folder import run_folder
+from flows.run_folder import discard_bare_run_folder, run_folder
 from flows.summary import handed_off, render_summary
 from flows.tracked import TrackedRun
 from tasks.convert import convert
@@ -63,7 +63,7 @@ class SFTConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, 
         return TrainRunConfig(**self.model_dump(include=shared), **given)
 
 
-@flow(name="sft")
+@flow(name="sft", on_failure=[discard_bare_run_folder])
 def sft(config: SFTConfig = SFTConfig()) -> dict:
     """Fine-tune `config.model_id` on `config.dataset` and register the result in MLflow."""
     run_dir = run_folder(config.output_dir, config)  # a retry of this flow run gets the same folder and resumes

@@ -24,12 +24,13 @@ import torch.distributed as dist
 from twinkle_core.convert.mapping import MappingTable, Rule, mapping_for
 from twinkle_core.convert.safetensors_io import SafetensorsReader, ShardWriter, finish_shards
 from twinkle_core.convert.transforms import Shapes, expected_hf_shapes, export_tensors, load_shard
+from twinkle_core.errors import UserError
 from twinkle_core.megatron.model_builder import head_dim
 
 _LAYER_PARAM = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError):
     """An HF checkpoint that does not fit the megatron model: missing, extra or misshapen tensors."""
 
 

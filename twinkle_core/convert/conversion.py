@@ -23,6 +23,7 @@ from transformers import AutoConfig
 from twinkle_core.convert.bridge import CheckpointMismatchError, check_tensor_names, export_hf_weights, load_hf_weights
 from twinkle_core.convert.megatron_checkpoint import (HF_DIR, copy_hf_side_files, load_megatron_checkpoint,
                                                       read_checkpoint_info, save_megatron_checkpoint)
+from twinkle_core.errors import UserError
 from twinkle_core.families import family_for_model_dir
 from twinkle_core.megatron.model_builder import UnsupportedArchitectureError, build_gpt_model, check_architecture
 from twinkle_core.megatron.parallel_state import MegatronParallel, initialize_megatron_parallel
@@ -30,7 +31,7 @@ from twinkle_core.megatron.parallel_state import MegatronParallel, initialize_me
 logger = logging.getLogger(__name__)
 
 
-class NotMegatronCapableError(ValueError):
+class NotMegatronCapableError(UserError):
     """A model family the HF <-> Megatron bridge cannot express."""
 
 

@@ -6,12 +6,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from twinkle_core.errors import UserError
+
 
 # Written into the config.json of checkpoints converted to another layout, naming the family they came from.
 SOURCE_FAMILY_KEY = "twinkle_source_family"
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError):
     """A model id or model_type that no registered family covers; the message lists the families."""
 
 

@@ -1,8 +1,10 @@
 """The one exception type the hub resolvers raise for user-facing failures."""
 from __future__ import annotations
 
+from twinkle_core.errors import UserError
 
-class HubError(ValueError):
+
+class HubError(UserError):
     """A model or dataset id could not be resolved; the message names the id and the fix."""
 
 

@@ -14,7 +14,8 @@ def local_target(parsed: ParsedId, text: str) -> Path:
         return _package_target(parsed.name, text)
     path = Path(parsed.name).expanduser()
     if not path.exists():
-        raise HubError(f"id {text!r}: local path {str(path.absolute())!r} does not exist")
+        where = "" if str(path.absolute()) == parsed.name else f" {str(path.absolute())!r}"
+        raise HubError(f"id {text!r}: local path{where} does not exist")
     return path.resolve()
 
 
@@ -46,5 +47,5 @@ def id_problems(field: str, text: str) -> list[str]:
         if parsed.scheme in ("local", "pkg"):
             local_target(parsed, text)
     except HubError as err:
-        return [f"{field}={text!r}: {err}"]
+        return [f"{field}={text!r}: {str(err).removeprefix(f'id {text!r}: ')}"]
     return []

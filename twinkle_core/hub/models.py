@@ -79,7 +79,8 @@ def check_weight_files(folder: str | Path, model_id: str, allow_pickle: bool = F
     if not any((folder / name).is_file() for name in PICKLE_WEIGHTS):
         return None
     if not allow_pickle:
-        raise HubError(f"model id {model_id!r}: {str(folder)!r} ships its weights only as pickle files "
+        where = "" if str(folder) == model_id else f": {str(folder)!r}"
+        raise HubError(f"model id {model_id!r}{where} ships its weights only as pickle files "
                        "(pytorch_model.bin), which this project does not load by default; convert them to "
                        "safetensors, or pass --allow-pickle-weights (allow_pickle_weights=True) to load them with "
                        "torch.load(weights_only=True).")

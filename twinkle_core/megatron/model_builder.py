@@ -22,12 +22,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from twinkle_core.errors import UserError
 from twinkle_core.megatron.parallel_state import MegatronParallel
 
 VOCAB_DIVISIBLE_BY = 128  # megatron's default --make-vocab-size-divisible-by, times tp
 
 
-class UnsupportedArchitectureError(ValueError):
+class UnsupportedArchitectureError(UserError):
     """A Hugging Face architecture (or a setting of one) megatron-core's GPTModel cannot express."""
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_state_dict)
 
+from twinkle_core.errors import UserError
 from twinkle_core.models.state_dirs import (PROGRESS_FILE, STATE_DIR, finish_state, newest_intact_state,
                                             partial_dir, read_progress, remove_partial, saved_states, state_name,
                                             state_root)
@@ -46,7 +47,7 @@ __all__ = ["STATE_DIR", "PROGRESS_FILE", "STATE_FILE", "ResumeMismatch", "check_
            "load_training_state", "read_progress", "save_training_state"]
 
 
-class ResumeMismatch(ValueError):
+class ResumeMismatch(UserError):
     """The saved state was written by a run with different settings."""
 
 

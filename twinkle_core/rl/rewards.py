@@ -34,12 +34,14 @@ from typing import Any, Callable
 
 import torch
 
+from twinkle_core.errors import UserError
+
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 NUMBER = re.compile(r"[-+]?(?:\d+(?:,\d{3})*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 DEFAULT_FORMAT = r"(?s).*<answer>.+?</answer>\s*"
 
 
-class RewardError(ValueError):
+class RewardError(UserError):
     """A reward function failed or returned something that is not a number."""
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from twinkle_core.data import get_row_format, no_template_message, read_chat_template
+from twinkle_core.errors import UserError
 from twinkle_core.families import check_model_id, get_family
 from twinkle_core.hub import check_weight_files, id_problems
 from twinkle_core.models.backends import get_backend, raised_problems
@@ -21,7 +22,7 @@ from twinkle_core.objectives import get_objective
 from twinkle_core.precision import resolve_precision
 
 
-class RunConfigError(ValueError):
+class RunConfigError(UserError):
     """A run's settings cannot run; the message lists every problem."""
 
 

@@ -1,7 +1,10 @@
 """Train a tiny model with MegatronModel at one layout and write what the tests compare.
 
-    python -m megatron_worker JOB.json                     (one process)
-    torchrun --nproc-per-node 2 -m megatron_worker JOB.json
+    python -m megatron_worker JOB.json [JOB2.json ...]                     (one process)
+    torchrun --nproc-per-node 2 -m megatron_worker JOB.json [JOB2.json ...]
+
+Several jobs run one after another in the same processes (a process start costs more than a tiny job):
+each starts from the same seed, on megatron groups built for its own layout.
 
 JOB.json: model (an HF dir or a Megatron checkpoint), layout (tp/pp/ep/etp/sequence_parallel/vpp), micro_batch_size,
 steps, accumulation (forward_backward calls per step), lora (bool), optimizer, resume_from / save_at (a step to save a dist checkpoint at), out (a folder).
@@ -11,6 +14,7 @@ exported HF weights or PEFT adapter (export/).
 """
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -18,8 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from twinkle_core.megatron.parallel_state import destroy_megatron_parallel
 from twinkle_core.models import LoraConfig
 from twinkle_core.models.megatron_model import MegatronModel
+from twinkle_core.parallel.process_group import close_distributed
 
 GLOBAL_ROWS, SEQ = 8, 12
 
@@ -41,8 +47,16 @@ def local_share(batch: dict, rank: int, size: int) -> dict:
     return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
 
 
-def main(job_path: str) -> None:
-    job = json.loads(Path(job_path).read_text())
+def main(job_paths: list[str]) -> None:
+    for path in job_paths:
+        torch.manual_seed(0)
+        run_job(json.loads(Path(path).read_text()))
+        destroy_megatron_parallel()  # the next job builds its layout's groups afresh
+        gc.collect()
+    close_distributed()
+
+
+def run_job(job: dict) -> None:
     layout = job.get("layout", {})
     model = MegatronModel(job["model"], mixed_precision=job.get("precision", "no"), tp_size=layout.get("tp", 1),
                           pp_size=layout.get("pp", 1), ep_size=layout.get("ep", 1),
@@ -89,8 +103,9 @@ def main(job_path: str) -> None:
         (out / "result.json").write_text(json.dumps({"losses": losses, "grad_norms": norms, "held_out": held_out,
                                                      "first_rank_losses": rank_losses,
                                                      "trainable_local": trainable, "linears_local": linears}))
-    model.close()
+    if dist.is_initialized():
+        dist.barrier()  # rank 0 has written its result before any rank starts the next job
 
 
 if __name__ == "__main__":  # dist_checkpointing starts helper processes that re-import this module
-    main(sys.argv[1])
+    main(sys.argv[1:])

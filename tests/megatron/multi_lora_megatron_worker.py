@@ -1,7 +1,9 @@
 """Train tenants with MultiLoraMegatronModel (or one adapter with MegatronModel) and write what the tests compare.
 
-    python -m multi_lora_megatron_worker JOB.json
-    torchrun --nproc-per-node 2 -m multi_lora_megatron_worker JOB.json
+    python -m multi_lora_megatron_worker JOB.json [JOB2.json ...]
+    torchrun --nproc-per-node 2 -m multi_lora_megatron_worker JOB.json [JOB2.json ...]
+
+Several jobs run one after another in the same processes, as in megatron_worker.
 
 JOB.json: model (an HF dir), layout (tp/pp/sequence_parallel), steps, micro_batch_size, mixed (one mixed batch
 per step for all tenants, else one forward_backward per tenant), tenants ([{name, r, alpha, targets, lr,
@@ -11,6 +13,7 @@ each data-parallel rank takes its contiguous share of the rows. Rank 0 writes re
 """
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -19,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_worker import global_batch, local_share
+from twinkle_core.megatron.parallel_state import destroy_megatron_parallel
 from twinkle_core.models import LoraConfig, MegatronModel, MultiLoraMegatronModel
+from twinkle_core.parallel.process_group import close_distributed
 
 
 def tenant_batch(index: int, step: int, vocab: int, model) -> dict:
@@ -52,7 +57,7 @@ def train_single(job: dict) -> dict:
         losses.append(model.calculate_metric()["loss"])
     if job.get("export"):
         model.save_hf(Path(job["out"]) / tenant["name"])
-    model.close()
+    destroy_megatron_parallel()
     return {"losses": {tenant["name"]: losses}}
 
 
@@ -67,7 +72,7 @@ def train_tenants(job: dict) -> dict:
                                adapter_name=tenant["name"])
     if job.get("checks"):
         result = run_checks(model, job)
-        model.close()
+        destroy_megatron_parallel()
         return result
     result = {}
     losses = {t["name"]: [] for t in job["tenants"]}
@@ -103,7 +108,7 @@ def train_tenants(job: dict) -> dict:
         model.load(first, job["out"], adapter_name="reloaded")
         model.forward_only(tenant_batch(0, 999, vocab, model), adapter_name="reloaded")
         result["reloaded_held_out"] = model.calculate_metric(is_training=False, adapter_name="reloaded")["loss"]
-    model.close()
+    destroy_megatron_parallel()
     return result
 
 
@@ -177,14 +182,18 @@ def refusals(model, names: list[str]) -> dict:
             "parameter_owners": sorted(lora_names)}
 
 
-def main(job_path: str) -> None:
-    job = json.loads(Path(job_path).read_text())
-    result = train_single(job) if job.get("single") else train_tenants(job)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        out = Path(job["out"])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "result.json").write_text(json.dumps(result))
+def main(job_paths: list[str]) -> None:
+    for path in job_paths:
+        job = json.loads(Path(path).read_text())
+        torch.manual_seed(0)
+        result = train_single(job) if job.get("single") else train_tenants(job)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            out = Path(job["out"])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "result.json").write_text(json.dumps(result))
+        gc.collect()
+    close_distributed()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

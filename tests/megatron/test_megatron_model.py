@@ -63,14 +63,19 @@ RUNS = {  # name: (model, layout, processes, extra job keys)
 }
 
 
-def run_worker(job: dict, nproc: int, root: Path, name: str, module: str = "megatron_worker") -> dict:
-    """Run the worker `module` on `job` in `nproc` processes; its result.json."""
-    path = root / f"{name}.json"
-    path.write_text(json.dumps(job))
-    cmd = ([sys.executable, "-m", module, str(path)] if nproc == 1
-           else torchrun_command(module, [str(path)], nproc_per_node=nproc))
-    run_streaming(cmd, lambda line: None, timeout_s=300, env={"PYTHONPATH": WORKER_PATH, "OMP_NUM_THREADS": "1"})
-    return json.loads((Path(job["out"]) / "result.json").read_text())
+def run_workers(jobs: dict[str, dict], nproc: int, root: Path, module: str = "megatron_worker") -> dict:
+    """Run the worker `module` on `jobs` (name: job) one after another in the same `nproc` processes; each
+    job's result.json by name."""
+    paths = []
+    for name, job in jobs.items():
+        paths.append(root / f"{name}.json")
+        paths[-1].write_text(json.dumps(job))
+    args = [str(path) for path in paths]
+    cmd = ([sys.executable, "-m", module, *args] if nproc == 1
+           else torchrun_command(module, args, nproc_per_node=nproc))
+    run_streaming(cmd, lambda line: None, timeout_s=300 * len(jobs),
+                  env={"PYTHONPATH": WORKER_PATH, "OMP_NUM_THREADS": "1"})
+    return {name: json.loads((Path(job["out"]) / "result.json").read_text()) for name, job in jobs.items()}
 
 
 @pytest.fixture(scope="session")
@@ -84,13 +89,15 @@ def runs(tmp_path_factory) -> dict:
                                      num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                                      qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_group=2, topk_group=1)}
     results = {"root": root, "models": models}
+    by_size: dict[int, dict[str, dict]] = {}  # one process tree per world size runs all of its layouts
     for name, (model, layout, nproc, extra) in RUNS.items():
-        job = {"model": str(models[model]), "layout": layout, "steps": 3, "micro_batch_size": 2,
-               "out": str(root / "out" / name), **extra}
-        results[name] = run_worker(job, nproc, root, name)
-    resume = {"model": str(models["dense"]), "steps": 4, "micro_batch_size": 2, "out": str(root / "out" / "resume"),
-              "resume_from": str(root / "out" / "full4")}
-    results["resumed"] = run_worker(resume, 1, root, "resumed")
+        by_size.setdefault(nproc, {})[name] = {"model": str(models[model]), "layout": layout, "steps": 3,
+                                               "micro_batch_size": 2, "out": str(root / "out" / name), **extra}
+    # after full4 in the same process: it resumes from full4's step-2 checkpoint
+    by_size[1]["resumed"] = {"model": str(models["dense"]), "steps": 4, "micro_batch_size": 2,
+                             "out": str(root / "out" / "resume"), "resume_from": str(root / "out" / "full4")}
+    for nproc, jobs in by_size.items():
+        results.update(run_workers(jobs, nproc, root))
     return results
 
 

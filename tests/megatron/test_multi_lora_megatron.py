@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_worker import global_batch
-from test_megatron_model import _hf_loss, assert_close, run_worker
+from test_megatron_model import _hf_loss, assert_close, run_workers
 from tiny_models import save_tiny_model
 
 TENANTS = [{"name": "alice", "r": 4, "alpha": 8, "lr": 1e-2, "seed": 1},
@@ -37,10 +37,12 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("multi_lora_megatron")
     model = save_tiny_model(root / "dense", "llama", tie_word_embeddings=False)
     results = {"root": root, "model": model}
+    by_size: dict[int, dict[str, dict]] = {}  # one process tree per world size runs all of its cases
     for name, (layout, nproc, extra) in RUNS.items():
-        job = {"model": str(model), "layout": layout, "steps": 3, "micro_batch_size": 2, "tenants": TENANTS,
-               "out": str(root / "out" / name), **extra}
-        results[name] = run_worker(job, nproc, root, name, module="multi_lora_megatron_worker")
+        by_size.setdefault(nproc, {})[name] = {"model": str(model), "layout": layout, "steps": 3, "micro_batch_size": 2,
+                                               "tenants": TENANTS, "out": str(root / "out" / name), **extra}
+    for nproc, jobs in by_size.items():
+        results.update(run_workers(jobs, nproc, root, module="multi_lora_megatron_worker"))
     return results
 
 

@@ -36,10 +36,10 @@ from tasks.tokenize import tokenize
 from tasks.track import finish_tracking, start_tracking
 from tasks.track_tenants import fail_tenant_tracking, start_tenant_tracking
 from tasks.train_multi_lora import train_tenants
-from twinkle_core.config.fields import (BackendFields, ChatDataFields, DataParallelFields, DataSourceFields, Epochs,
-                                        EvalFields, EvalPrompts, ExperimentName, LoopFields, LoraFields, MaxLoras,
-                                        MaxNewTokens, MaxR, MicroBatchSize, MixedBatches, ModelParallelFields,
-                                        OptimizerFields, ProcessFields, RunFields, TenantName)
+from twinkle_core.config.fields import (BackendFields, ChatDataFields, CheckpointFields, DataParallelFields,
+                                        DataSourceFields, Epochs, EvalFields, EvalPrompts, ExperimentName, LoopFields,
+                                        LoraFields, MaxLoras, MaxNewTokens, MaxR, MicroBatchSize, MixedBatches,
+                                        ModelParallelFields, OptimizerFields, ProcessFields, RunFields, TenantName)
 from twinkle_core.objectives import get_objective
 from twinkle_core.tracking import tracking_uri
 from twinkle_core.train.multi_lora_config import MultiLoraRunConfig, TenantRunConfig
@@ -61,11 +61,10 @@ DEFAULT_TENANTS = [
 
 
 class MultiLoraConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, ProcessFields,
-                      ChatDataFields, BackendFields, TrainingFlowConfig):
+                      CheckpointFields, ChatDataFields, BackendFields, TrainingFlowConfig):
     """Parameters of the multi_lora flow (the Prefect UI form and the CLI options; groups listed last-first)."""
 
     kind: ClassVar[str] = "multi_lora"
-    resumable: ClassVar[bool] = False  # its tenants save no training state yet
 
     tenants: list[TenantSpec] = Field(default_factory=lambda: list(DEFAULT_TENANTS), min_length=1, description="The tenants, as a YAML/JSON list of {name, dataset, eval_dataset, lora_r, lr, ...}.")
     mixed_batches: MixedBatches = True
@@ -101,7 +100,7 @@ class MultiLoraConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFi
             backend=self.backend, micro_batch_size=self.micro_batch_size,
             mixed_precision=self.mixed_precision, parallel=self.parallel(), max_loras=self.max_loras or len(tenants),
             max_r=self.max_r or max(t.lora_r for t in tenants), mixed_batches=self.mixed_batches, tenants=tenants,
-            tracking_uri=tracking_uri())
+            checkpoint_every=self.checkpoint_every, keep_checkpoints=self.keep_checkpoints, tracking_uri=tracking_uri())
 
 
 def _error(exc: BaseException) -> str:

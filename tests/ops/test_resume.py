@@ -8,11 +8,13 @@ import sys
 
 import pytest
 
+from flows.multi_lora import MultiLoraConfig
 from flows.sft import SFTConfig
 from tasks.refs import ModelRef
 from tiny_models import SAMPLE_ROWS, save_tiny_model
 from twinkle_core.data import tokenize_dataset
 from twinkle_core.launch import _descendants, torchrun_command
+from twinkle_core.train.multi_lora_config import TenantRunConfig
 from twinkle_core.train.recipe import EVENT_PREFIX
 from twinkle_core.models.state_dirs import finish_state, partial_dir
 from twinkle_core.models.training_state import (STATE_DIR, STATE_FILE, ResumeMismatch, load_training_state,
@@ -38,12 +40,24 @@ def run_setup(tmp_path_factory):
         config = SFTConfig(**{**values, **overrides}).run_config(ref, str(tokenized.path), root / name, None)
         return config.write(root / f"{name}.json"), root / name
 
+    def write_multi_lora_config(name: str, **settings):
+        # alice: 2 micro-batches per step and dropout; bob: 1 per step, finishing earlier than alice
+        tenants = [TenantRunConfig(name="alice", train_data=tokenized.path, max_steps=10, batch_size=4,
+                                   gradient_accumulation_steps=2, lr=2e-2, lora_dropout=0.1, seed=1),
+                   TenantRunConfig(name="bob", train_data=tokenized.path, max_steps=12, batch_size=4, lr=1e-2,
+                                   lora_r=4, seed=2)]
+        config = MultiLoraConfig(model_id=str(model_dir), mixed_precision="no", checkpoint_every=4,
+                                 **settings).run_config(ref, tenants, root / name)
+        return config.write(root / f"{name}.json"), root / name
+
+    write_config.multi_lora = write_multi_lora_config
     return write_config
 
 
-def _train(config_path, kill_at_step: int | None = None, nproc: int = 1) -> list[dict]:
+def _train(config_path, kill_at_step: int | None = None, nproc: int = 1, module: str = "twinkle_core.train",
+           step_event: str = "step") -> list[dict]:
     """Run the torchrun entry point; SIGKILL its agent and workers once `kill_at_step` is reported."""
-    proc = subprocess.Popen(torchrun_command("twinkle_core.train", [str(config_path)], nproc_per_node=nproc),
+    proc = subprocess.Popen(torchrun_command(module, [str(config_path)], nproc_per_node=nproc),
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -52,7 +66,7 @@ def _train(config_path, kill_at_step: int | None = None, nproc: int = 1) -> list
         output.append(line)
         if line.startswith(EVENT_PREFIX):
             events.append(json.loads(line[len(EVENT_PREFIX):]))
-            if kill_at_step is not None and events[-1] == {**events[-1], "event": "step", "step": kill_at_step}:
+            if kill_at_step is not None and events[-1] == {**events[-1], "event": step_event, "step": kill_at_step}:
                 for pid in [*_descendants(proc.pid), proc.pid]:  # a crash: nothing gets to clean up
                     os.kill(pid, signal.SIGKILL)
     code = proc.wait()
@@ -105,6 +119,46 @@ def test_a_killed_run_resumes_from_its_last_training_state(run_setup, layout):
     proc = subprocess.run(torchrun_command("twinkle_core.train", [str(changed_path)], nproc_per_node=nproc),
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "lr: saved 0.02, now 0.001" in proc.stdout + proc.stderr
+
+
+def _tenant_losses(events) -> dict[str, dict[int, float]]:
+    losses: dict[str, dict[int, float]] = {}
+    for e in events:
+        if e["event"] == "tenant_step":
+            losses.setdefault(e["tenant"], {})[e["step"]] = e["loss"]
+    return losses
+
+
+TENANT_LAYOUTS = {"one process": {}, "native FSDP over 2 processes": dict(nproc_per_node=2, strategy="native_fsdp")}
+
+
+@pytest.mark.parametrize("layout", TENANT_LAYOUTS)
+def test_a_killed_multi_lora_run_resumes_every_tenant_from_its_last_state(run_setup, layout):
+    """Two tenants with their own accumulation, dropout and length: killed mid-run, the same command
+    continues each from the last state saved between optimizer steps, with the uninterrupted losses
+    (under FSDP each rank saves and restores its shards of the adapters and of their optimizer moments)."""
+    module, settings, name = "twinkle_core.train.multi_lora", TENANT_LAYOUTS[layout], layout.split()[0]
+    nproc = settings.get("nproc_per_node", 1)
+    reference = _tenant_losses(_train(run_setup.multi_lora(f"tenants-{name}-uninterrupted", **settings)[0],
+                                      nproc=nproc, module=module))
+    config_path, checkpoint_dir = run_setup.multi_lora(f"tenants-{name}-crashed", **settings)
+    crashed = _train(config_path, kill_at_step=7, nproc=nproc, module=module, step_event="tenant_step")
+    saved = read_progress(checkpoint_dir)
+    assert saved["round"] % 4 == 0 and saved["round"] >= 4 and not (checkpoint_dir / "alice").exists()
+    assert all(saved["tenants"][t]["consumed"] % {"alice": 2, "bob": 1}[t] == 0 for t in ("alice", "bob"))
+
+    resumed = _train(config_path, nproc=nproc, module=module)
+    [resume] = [e for e in resumed if e["event"] == "resume"]
+    assert resume["step"] == saved["round"] and resume["tenants"] == {t: saved["tenants"][t]["step"]
+                                                                      for t in ("alice", "bob")}
+    after = _tenant_losses(resumed)
+    for tenant, total in (("alice", 10), ("bob", 12)):
+        done = saved["tenants"][tenant]["step"]
+        assert sorted(after[tenant]) == list(range(done + 1, total + 1)), tenant  # each tenant's steps continue
+        for step, loss in after[tenant].items():
+            assert loss == pytest.approx(reference[tenant][step], abs=1e-6), (tenant, step)
+    assert max(_tenant_losses(crashed)["bob"]) >= 7  # it was killed mid-run, after its state was saved
+    assert {e["tenant"] for e in resumed if e["event"] == "tenant_checkpoint"} == {"alice", "bob"}
 
 
 class _Payload:

@@ -21,6 +21,7 @@ from peft import LoraConfig
 from twinkle_core.models.batches import to_batch
 from twinkle_core.models.schedulers import build_scheduler
 from twinkle_core.models.stepper import Stepper, check_accumulation, held_out_metrics, optimizer_class
+from twinkle_core.models.tenant_state import load_tenant_states, save_tenant_states
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 _OWNER = re.compile(r"\.lora_(?:A|B)\.([^.]+)\.")
@@ -153,6 +154,17 @@ class MultiTenant:
 
     def adapter_names(self) -> list[str]:
         return self.slots.names()
+
+    def save_training_state(self, checkpoint_dir: str | Path, progress: dict, keep: int = 2) -> Path:
+        """Every tenant's adapter, optimizer, schedule and step, with this rank's RNG (models.tenant_state)."""
+        return save_tenant_states(self._steppers("save_training_state"), checkpoint_dir, progress, keep)
+
+    def load_training_state(self, checkpoint_dir: str | Path, settings: dict) -> dict | None:
+        """Restore every tenant from the newest intact state; its progress record (None: nothing saved)."""
+        return load_tenant_states(self._steppers("load_training_state"), checkpoint_dir, settings)
+
+    def _steppers(self, verb: str) -> dict[str, Stepper]:
+        return {name: self._stepper(name, verb) for name in self.slots.names()}
 
     def tenant_parameters(self, name: str) -> list[torch.nn.Parameter]:
         """Tenant `name`'s adapter weights on this rank (its shards under FSDP or tp, its pipeline stage's)."""

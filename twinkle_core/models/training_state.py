@@ -63,7 +63,7 @@ def save_training_state(model: Any, checkpoint_dir: str | Path, progress: dict, 
     keep the newest `keep`. A failed write (a full disk) leaves the earlier states as they were."""
     module, stepper = model.training_parts()
     weights, optimizer = get_state_dict(module, stepper.optimizer, options=_options())
-    rng = _all_ranks(_rng_state())  # each rank's own: their dropout masks differ
+    rng = _all_ranks(rng_state())  # each rank's own: their dropout masks differ
     partial = partial_dir(checkpoint_dir, stepper.step)
     saved = None
     if is_main_process():
@@ -122,7 +122,7 @@ def load_training_state(model: Any, checkpoint_dir: str | Path, settings: dict) 
     if stepper.scaler is not None:
         stepper.scaler.load_state_dict(state["scaler"])
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    _set_rng_state(state["rng"][rank if rank < len(state["rng"]) else 0])
+    set_rng_state(state["rng"][rank if rank < len(state["rng"]) else 0])
     logger.info("resumed from the training state at step %d (%s)", progress["step"], state_dir)
     return progress
 
@@ -146,14 +146,14 @@ def _all_ranks(value: Any) -> list:
     return values
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():

@@ -39,6 +39,7 @@ class TenantRun:
     metrics: MetricsLogger
     step: int = 0
     batches: Iterator[list[dict]] | None = None
+    consumed: int = 0  # this rank's micro-batches taken from `batches` (where a resumed run continues)
 
     @property
     def name(self) -> str:
@@ -50,6 +51,8 @@ class MultiLoraRecipe:
         self.config = config
         self.tenants: dict[str, TenantRun] = {}
         self.failed: dict[str, str] = {}
+        self.rounds = 0  # each gives every unfinished tenant one micro-batch
+        self.saved_round = 0
 
     def setup(self) -> None:
         cfg = self.config
@@ -74,6 +77,45 @@ class MultiLoraRecipe:
             run.batches = self._batches(run)
             emit("tenant_setup", tenant=tenant.name, examples=len(run.examples), total_steps=run.total_steps,
                  trainable_params=sum(p.numel() for p in self.model.tenant_parameters(tenant.name)))
+        self._resume()
+
+    def _settings(self) -> dict:
+        """What a resumed run must share with the saved one: the layout and every tenant's training settings."""
+        cfg = self.config
+        return {"backend": cfg.backend, "world_size": world_size_from_env(), "mixed_batches": cfg.mixed_batches,
+                "parallel": cfg.parallel.model_dump(mode="json"), "micro_batch_size": cfg.micro_batch_size,
+                "tenants": {run.name: run.config.model_dump(mode="json", exclude={"mlflow_run_id"})
+                            for run in self.tenants.values()}}
+
+    def _resume(self) -> None:
+        """Continue from the newest intact state of an earlier attempt of this run, if there is one: each
+        tenant's weights, optimizer, schedule, step and place in its data order."""
+        progress = self.model.load_training_state(self.config.checkpoint_dir, self._settings())
+        if progress is None:
+            return
+        self.rounds = self.saved_round = progress["round"]
+        for name, done in progress["tenants"].items():
+            run = self.tenants[name]
+            run.step = done["step"]
+            for _ in range(done["consumed"]):
+                next(run.batches)
+            run.consumed = done["consumed"]
+        emit("resume", step=self.rounds, tenants={name: done["step"] for name, done in progress["tenants"].items()})
+
+    def _save_state_if_due(self) -> None:
+        """Every `checkpoint_every` rounds, at the first round after which no tenant holds accumulated
+        gradients (each is between optimizer steps), unless every tenant is done."""
+        every = self.config.checkpoint_every
+        runs = self.tenants.values()
+        if not every or self.rounds - self.saved_round < every or all(r.step >= r.total_steps for r in runs):
+            return
+        if any(r.consumed % r.config.gradient_accumulation_steps for r in runs if r.step < r.total_steps):
+            return
+        progress = {"round": self.rounds, "tenants": {r.name: {"step": r.step, "consumed": r.consumed} for r in runs},
+                    "settings": self._settings()}
+        self.model.save_training_state(self.config.checkpoint_dir, progress, keep=self.config.keep_checkpoints)
+        self.saved_round = self.rounds
+        emit("tenant_state_saved", step=self.rounds, tenants={r.name: r.step for r in runs})
 
     def _add_tenant(self, tenant: TenantRunConfig) -> None:
         examples = load_tokenized(tenant.train_data)
@@ -103,6 +145,8 @@ class MultiLoraRecipe:
         started = time.perf_counter()
         while active := [run for run in self.tenants.values() if run.step < run.total_steps]:
             rows = {run.name: next(run.batches) for run in active}
+            for run in active:
+                run.consumed += 1
             if self.config.mixed_batches:  # one base-model pass for every tenant's micro-batch
                 names = [name for name, share in rows.items() for _ in share]
                 self.model.forward_backward(inputs=self._collate([r for share in rows.values() for r in share]),
@@ -113,6 +157,8 @@ class MultiLoraRecipe:
             for run in active:
                 if self.model.clip_grad_and_step(max_grad_norm=run.config.max_grad_norm, adapter_name=run.name):
                     self._log_step(run)
+            self.rounds += 1
+            self._save_state_if_due()
         self.train_seconds = time.perf_counter() - started
 
     def _log_step(self, run: TenantRun) -> None:

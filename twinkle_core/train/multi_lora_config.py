@@ -8,9 +8,9 @@ from pathlib import Path
 
 from pydantic import Field
 
-from twinkle_core.config.fields import (BackendName, LoopFields, LoraFields, MaxLoras, MaxR, MicroBatchSize,
-                                        MixedBatches, MixedPrecisionMode, ModelId, ModelLoadFields, OptimizerFields,
-                                        TenantName)
+from twinkle_core.config.fields import (BackendName, CheckpointFields, LoopFields, LoraFields, MaxLoras, MaxR,
+                                        MicroBatchSize, MixedBatches, MixedPrecisionMode, ModelId, ModelLoadFields,
+                                        OptimizerFields, TenantName)
 from twinkle_core.parallel import ParallelConfig
 from twinkle_core.train.config import RunConfigFile
 
@@ -23,7 +23,7 @@ class TenantRunConfig(LoraFields, OptimizerFields, LoopFields):
     mlflow_run_id: str | None = None
 
 
-class MultiLoraRunConfig(RunConfigFile, ModelLoadFields):
+class MultiLoraRunConfig(RunConfigFile, ModelLoadFields, CheckpointFields):
     """Everything the workers need; paths only, no live objects."""
 
     model_id: ModelId

@@ -57,6 +57,13 @@ def test_torchrun_command_shapes():
     assert not any(arg.startswith(("--nnodes", "--rdzv")) for arg in single)
 
 
+def test_one_process_on_one_machine_runs_the_worker_without_an_agent():
+    cmd = torchrun_command_for(ParallelConfig(), "twinkle_core.train", ["cfg.json"])
+    assert cmd == [sys.executable, "-m", "twinkle_core.train", "cfg.json"]
+    restarts = torchrun_command_for(ParallelConfig(max_restarts=2), "twinkle_core.train", ["cfg.json"])
+    assert restarts[1:3] == ["-m", "torch.distributed.run"]  # restarts need the agent
+
+
 def test_multi_node_command_names_every_rendezvous_setting():
     parallel = ParallelConfig(nproc_per_node=8, nnodes=2, node_rank=1, rdzv_endpoint="head:29500",
                               rdzv_id="run-7", max_restarts=3)

@@ -44,7 +44,12 @@ def torchrun_command(module: str, args: Sequence[str], nproc_per_node: int = 1, 
 
 
 def torchrun_command_for(parallel, module: str, args: Sequence[str]) -> list[str]:
-    """The torchrun command that starts this machine's share of a run laid out by `parallel`."""
+    """The command that starts this machine's share of a run laid out by `parallel`: torchrun, or for one
+    process on one machine the worker itself (the agent would only add a process start, ~2 s, and a
+    rendezvous; the worker then joins a one-process group of its own)."""
+    if parallel.nproc_per_node == 1 and parallel.nnodes == 1 and not parallel.rdzv_endpoint \
+            and not parallel.max_restarts:
+        return [sys.executable, "-m", module, *args]
     return torchrun_command(module, args, parallel.nproc_per_node, parallel.rdzv_endpoint, parallel.nnodes,
                             parallel.node_rank, parallel.rdzv_id, parallel.max_restarts)
 

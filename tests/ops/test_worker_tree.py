@@ -64,3 +64,35 @@ def test_workers_die_when_the_launching_process_is_killed(sleeper_env, tmp_path)
     took = _wait_gone(pids, timeout_s=30)
     print(f"workers gone {took:.1f} s after their launcher was SIGKILLed")
     assert not any(map(_is_running, pids))
+
+
+# A recipe whose rank 0 fails while rank 1 waits for it in a collective (as a rank whose backward raises
+# leaves the others inside the backward's all-reduce).
+FAILING_RECIPE = """
+import torch, torch.distributed as dist
+from twinkle_core.parallel.process_group import close_distributed, init_distributed
+from twinkle_core.train.recipe import run_recipe
+
+class Recipe:
+    def setup(self):
+        init_distributed()
+    def train(self):
+        if dist.get_rank() == 0:
+            raise ValueError("rank 0 failed on purpose")
+        dist.all_reduce(torch.ones(1))
+    def save_checkpoint(self):
+        pass
+    def cleanup(self):
+        close_distributed()
+
+run_recipe(Recipe())
+"""
+
+
+def test_a_rank_that_fails_ends_the_run_with_its_error_instead_of_hanging(tmp_path):
+    (tmp_path / "failing_recipe.py").write_text(FAILING_RECIPE)
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 0 failed on purpose"):
+        run_streaming(torchrun_command("failing_recipe", [], nproc_per_node=2), lambda line: None, timeout_s=120,
+                      env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).parents[2])])})
+    assert time.monotonic() - started < 60  # it used to wait at the exit barrier until the run's timeout

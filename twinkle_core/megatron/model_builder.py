@@ -345,6 +345,7 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
 
     from twinkle_core.megatron.mla_core_attention import MLACoreAttention
     from twinkle_core.megatron.mla_tensor_parallel import sum_rotary_key_gradients
+    from twinkle_core.megatron.output_grad import keep_output_grad_contiguous
     from twinkle_core.megatron.sequence_parallel_norm import use_sequence_parallel_norms
 
     config = config or transformer_config_from_hf(hf_config, layout, dtype, init_weights)
@@ -370,6 +371,7 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
         position_embedding_type="rope", rotary_base=rope["rope_theta"],
         rotary_percent=rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)),
     )
+    keep_output_grad_contiguous(model)  # else a frozen output weight is copied once per position in backward
     if config.multi_latent_attention:
         # qk_layernorm only told the spec to build MLA's latent norms. Left on, megatron's finalize_model_grads
         # sums every `q_layernorm` gradient over tp (right for per-head q norms), but MLA's latent is whole on

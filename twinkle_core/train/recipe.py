@@ -32,6 +32,7 @@ from twinkle_core.entry import worker_config_path
 from twinkle_core.models.backends import get_backend
 from twinkle_core.objectives import get_objective
 from twinkle_core.parallel import is_main_process, local_micro_batches, world_size_from_env
+from twinkle_core.parallel.process_group import abandon_exit_barrier
 from twinkle_core.perf import StepPerf
 from twinkle_core.tracking import MetricsLogger
 from twinkle_core.train.config import TrainRunConfig
@@ -170,6 +171,9 @@ def run_recipe(recipe) -> int:
     try:
         recipe.train()
         recipe.save_checkpoint()
+    except BaseException:
+        abandon_exit_barrier()  # the other ranks may wait in a collective this one left: end with the error
+        raise
     finally:
         recipe.cleanup()
     return 0

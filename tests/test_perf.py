@@ -137,3 +137,13 @@ def test_gpu_peak_and_memory():
     assert 0 < measured <= 1.05 * peak  # a datasheet peak is an upper bound
     x = torch.ones(256, 2**20, device="cuda")  # 1 GiB
     assert perf.peak_memory_bytes("cuda") >= x.numel() * 4
+
+
+def test_measuring_the_peak_leaves_the_global_rng_alone():
+    """How many matrix sizes are timed depends on the load; draws from the global generator would shift
+    every later dropout mask, so two runs with one seed would train differently on a busy machine."""
+    from twinkle_core.perf import measured_matmul_flops
+
+    before = torch.get_rng_state()
+    assert measured_matmul_flops.__wrapped__(torch.device("cpu"), torch.float32) > 0
+    assert torch.equal(torch.get_rng_state(), before)

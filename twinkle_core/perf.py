@@ -141,9 +141,12 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
         return time.perf_counter() - started
 
     sizes, per_timing = ([8192], 4) if device.type == "cuda" else ([256, 512, 1024, 2048], 1)
+    # Its own generator: how many sizes are tried depends on the machine's load, and draws from the global
+    # one would shift every later dropout mask, so runs with one seed would differ with the load.
+    generator = torch.Generator(device=device).manual_seed(0)
     for size in sizes:
-        a = torch.randn(size, size, device=device).to(dtype)
-        b = torch.randn(size, size, device=device).to(dtype)
+        a = torch.randn(size, size, device=device, generator=generator).to(dtype)
+        b = torch.randn(size, size, device=device, generator=generator).to(dtype)
         if seconds(a, b, 1) > 0.1:  # also the warm-up: thread pools, kernel selection
             break
     best = min(seconds(a, b, per_timing) for _ in range(5))

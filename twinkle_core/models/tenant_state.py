@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from twinkle_core.models.state_dirs import (PROGRESS_FILE, finish_state, newest_intact_state, partial_dir,
-                                            remove_partial, saved_states, state_root)
+                                            remove_partial, saved_states, state_name, state_root)
 from twinkle_core.models.stepper import Stepper
 from twinkle_core.models.training_state import (ResumeMismatch, check_resume_settings, read_state_file,
                                                 rng_state, set_rng_state)
@@ -99,7 +99,7 @@ def save_tenant_states(steppers: dict[str, Stepper], checkpoint_dir: str | Path,
                       f"({error or 'on another rank'}); the earlier states {kept or 'none'} in "
                       f"{state_root(checkpoint_dir)} are intact")
     barrier()  # every rank's file is complete before the manifest hashes them
-    final = state_root(checkpoint_dir) / partial.name[1:].removesuffix(".partial")
+    final = state_root(checkpoint_dir) / state_name(round_)
     if is_main_process():
         final = finish_state(partial, progress, keep)
         logger.info("saved the tenants' training state at round %d to %s", round_, final)

@@ -67,17 +67,17 @@ def barrier() -> None:
         dist.barrier()
 
 
-def close_distributed(failed: bool = False) -> None:
+def close_distributed() -> None:
     """Leave the process group (at the end of a worker; harmless when there is none).
 
     The ranks meet first: a rank that tears down its gloo connections while a peer is still using them
     (rank 0 writing results after the last collective, say) can abort the peer at exit
     ("terminate called without an active exception", seen about 1 run in 6 with several subgroups).
-    Not after an error (`failed`, or `abandon_exit_barrier`): the peers may be inside a collective this
+    Not after this rank failed (`abandon_exit_barrier`): the peers may be inside a collective this
     rank will never join, and waiting for them would hang the run instead of ending it with the error.
     """
     if dist.is_initialized():
-        if not (failed or _exit_barrier_abandoned):
+        if not _exit_barrier_abandoned:
             dist.barrier()
         dist.destroy_process_group()
 

@@ -7,11 +7,16 @@ tokenize_dataset, the recipe and the model only look kinds up.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from twinkle_core.config.registry import Registry
 
 from . import pairs, preference, prompts
+from .vision_collate import BATCH_KEYS as VISION_BATCH_KEYS
+from .vision_collate import collate_vision, truncate_vision
+from .vision_encode import encode_vision_row, load_vision_processor
+from .vision_rows import validate_vision_row
 from .collate import collate
 from .encode import count_trained_tokens, encode_chat, encode_text, truncate
 from .validate import validate_chat_row, validate_text_row
@@ -43,6 +48,18 @@ class RowFormat:
     collate: Callable[..., dict] = collate  # (examples, pad_token_id=, mask_dtype=) -> a batch of tensors
     batch_keys: tuple[str, ...] = ("input_ids", "labels")  # what a collated batch must hold
     packable: bool = True
+    # Rows that name files (images, videos): validate(row, folder=...) finds relative paths in the data file's folder.
+    reads_files: bool = False
+    # (tokenizer, model_dir) -> what encode() takes in the tokenizer's place (a VLM's processor); None: the tokenizer
+    encoder: Callable[[Any, Path], Any] | None = None
+
+    def check(self, row: Any, folder: Path | None = None) -> dict:
+        """The validated row; `folder` is where the row's data file lies (None: the working directory)."""
+        return self.validate(row, folder=folder) if self.reads_files else self.validate(row)
+
+    def load_encoder(self, tokenizer, model_dir: Path):
+        """What encode() takes: the tokenizer, or the kind's encoder built from the model directory."""
+        return self.encoder(tokenizer, Path(model_dir)) if self.encoder else tokenizer
 
 
 _FORMATS: Registry[RowFormat] = Registry("kind", "row kind")
@@ -86,3 +103,7 @@ register_row_format(RowFormat(
     "prompts", prompts.validate_prompt_row, prompts.encode_prompt_row, truncate=prompts.truncate_prompt,
     was_truncated=prompts.prompt_too_long, count_tokens=prompts.count_prompt_tokens, collate=prompts.no_collate,
     batch_keys=prompts.BATCH_KEYS, packable=False))
+register_row_format(RowFormat(
+    "vision_chat", validate_vision_row, encode_vision_row, truncate=truncate_vision, collate=collate_vision,
+    batch_keys=VISION_BATCH_KEYS, reads_files=True, encoder=load_vision_processor,
+    packable=False))  # packing would need each sample's mrope positions restarted: not built yet

@@ -41,14 +41,14 @@ def load_rows(path: str | Path, kind: str = "chat", max_bad_fraction: float = 0.
     Raises DatasetError when more than `max_bad_fraction` of the rows are bad, and always when none is good.
     """
     check_fraction(max_bad_fraction)
-    validate = get_row_format(kind).validate
+    row_format = get_row_format(kind)
     path = Path(path)
     loaded = LoadedRows()
     for number, record in read_records(path):
         try:
             if isinstance(record, RowError):
                 raise record
-            loaded.rows.append(validate(record))
+            loaded.rows.append(row_format.check(record, path.parent))
             loaded.lines.append(number)
         except RowError as error:
             loaded.bad.append(BadRow(str(path), number, str(error)))

@@ -26,6 +26,7 @@ FORMAT_VERSION = 2
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+    "preprocessor_config.json",  # a vision model's image sizes and normalisation
 )
 MAX_BAD_STORED = 1000  # meta.json lists at most this many bad rows; num_bad is always the true count
 
@@ -124,6 +125,7 @@ def tokenize_dataset(
         )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     use_chat_template(tokenizer, chosen_template, chat_template, required=row_format.needs_chat_template)
+    encoder = row_format.load_encoder(tokenizer, tokenizer_path)
     settings = {"kind": kind, "max_length": max_length, "packing": packing, "enable_thinking": enable_thinking}
     if encode_options:
         settings["encode_options"] = encode_options
@@ -136,7 +138,7 @@ def tokenize_dataset(
         total = rows_read + dataset.num_bad
         report_bad_rows(list(dataset.bad), total, max_bad_fraction, str(dataset_path), num_bad=dataset.num_bad)
         return dataset
-    examples, bad, source_rows = _encode_rows(dataset_path, tokenizer, kind, max_length, max_bad_fraction, enable_thinking,
+    examples, bad, source_rows = _encode_rows(dataset_path, encoder, kind, max_length, max_bad_fraction, enable_thinking,
                                  encode_options)
     rows = pack_examples(examples, max_length) if packing else examples
     counts = [row_format.count_tokens(row) for row in rows]
@@ -156,10 +158,12 @@ def tokenize_dataset(
 
 
 def _column_type(values: list) -> pa.DataType:
-    """int32 token lists, or lists of them (an embedding row's hard negatives), or numbers (a preference
-    pair's reference log-probs)."""
+    """int32 token lists, or lists of them (an embedding row's hard negatives or a vision row's media grids), or
+    numbers (a preference pair's reference log-probs), or float32 lists (a vision row's pixel patches)."""
     if values and isinstance(values[0], float):
         return pa.float64()
+    if any(value and isinstance(value[0], float) for value in values if isinstance(value, list)):
+        return pa.list_(pa.float32())
     if values and isinstance(values[0], str):  # a prompt row's text and fields
         return pa.string()
     nested = any(value and isinstance(value[0], list) for value in values)

@@ -1,0 +1,83 @@
+"""Tiny vision-language checkpoints and media files built inside the tests (no hub, a few seconds each)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import AutoConfig, GenerationConfig, Qwen2_5_VLForConditionalGeneration
+
+from family_models import family_tokenizer
+from twinkle_core.data import get_chat_template
+
+PATCH, MERGE = 14, 2
+PIXELS = (56 * 56, 56 * 56)  # min/max pixels: a 56x56 image is 4x4 patches, 4 merged tokens
+
+
+def write_image(path: Path, colour=(255, 0, 0), size=(56, 56), seed: int | None = None) -> Path:
+    """A PNG of one colour, or random pixels with `seed`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if seed is None:
+        Image.new("RGB", size, colour).save(path)
+    else:
+        pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(path)
+    return path
+
+
+def write_video(path: Path, frames: int = 8, fps: int = 4, size=(56, 56), seed: int = 0) -> Path:
+    """A short MPEG-4 video of random frames (PyAV)."""
+    import av
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for _ in range(frames):
+            pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def qwen_vl_tokenizer():
+    """The Qwen 2.5 tiny tokenizer (it has the vision tokens) with the Qwen 2.5 chat template."""
+    return family_tokenizer("qwen2_5", get_chat_template("qwen2_5"))
+
+
+def tiny_qwen2_5_vl(tokenizer, seed: int = 0) -> Qwen2_5_VLForConditionalGeneration:
+    """A random Qwen2.5-VL of the real class: 2 text layers (hidden 32), a 1-block vision tower, real M-RoPE."""
+    tid = tokenizer.convert_tokens_to_ids
+    config = AutoConfig.for_model(
+        "qwen2_5_vl",
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"),
+                         pad_token_id=tid("<|endoftext|>"),
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
+                                          "mrope_section": [1, 1, 2]}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
+                           patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[0], tokens_per_second=2),
+        image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
+        vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"),
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(eos_token_id=[tid("<|im_end|>")], pad_token_id=tid("<|endoftext|>"))
+    return model
+
+
+def save_tiny_qwen2_5_vl(directory: Path, seed: int = 0) -> Path:
+    """A downloaded-looking Qwen2.5-VL directory: config, safetensors, tokenizer, preprocessor_config.json."""
+    tokenizer = qwen_vl_tokenizer()
+    tiny_qwen2_5_vl(tokenizer, seed).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    (Path(directory) / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": PATCH, "merge_size": MERGE,
+        "temporal_patch_size": 2, "min_pixels": PIXELS[0], "max_pixels": PIXELS[1],
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}))
+    return Path(directory)

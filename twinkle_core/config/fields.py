@@ -44,6 +44,15 @@ Packing = Annotated[bool, Field(description="Pack several samples into one seque
 MaxBadFraction = Annotated[float, Field(ge=0, le=1, description="Fail when more than this fraction of rows is malformed.")]
 EnableThinking = Annotated[bool, Field(description="Thinking-mode families (Qwen 3.5, DeepSeek R1/V4): train the reasoning of the last turn; false trains without it.")]
 
+# ----- vision-language models -----------------------------------------------------------------------------
+FreezeVision = Annotated[bool, Field(description="Vision-language models: keep the vision tower's weights fixed (and LoRA off it).")]
+FreezeAligner = Annotated[bool, Field(description="Vision-language models: keep the aligner (the projector from vision features into the language model: Qwen's merger) fixed (and LoRA off it).")]
+FreezeLlm = Annotated[bool, Field(description="Vision-language models: keep the language model fixed (and LoRA off it); train only the parts left unfrozen.")]
+MinPixels = Annotated[int | None, Field(ge=1, description="Vision-language models: resize smaller images (and video frames) up to at least this many pixels (empty: the checkpoint's preprocessor setting).")]
+MaxPixels = Annotated[int | None, Field(ge=1, description="Vision-language models: resize larger images (and video frames) down to at most this many pixels (empty: the checkpoint's preprocessor setting).")]
+VideoFps = Annotated[float, Field(gt=0, description="Vision-language models: video frames sampled per second.")]
+MaxFrames = Annotated[int, Field(ge=1, description="Vision-language models: at most this many frames per video (spread over the whole video).")]
+
 # ----- precision -----------------------------------------------------------------------------------------
 MixedPrecisionMode = Annotated[PrecisionName, Field(description="Precision: auto (bf16 where the hardware has it natively, else fp16 on GPUs and fp32 on CPUs), bf16, fp16, fp8 (H100-class GPU) or no (fp32).")]
 
@@ -212,6 +221,23 @@ class EmbeddingFields(BaseModel):
         """The infonce objective's options these settings describe (empty ones left to the checkpoint)."""
         options = {"temperature": self.temperature, "same_side": self.same_side_negatives,
                    "pooling": self.pooling, "query_task": self.query_task}
+        return {key: value for key, value in options.items() if value is not None}
+
+
+class VisionFields(BaseModel):
+    """What a vision-language model trains, and how its images and videos are sized and sampled."""
+
+    freeze_vision: FreezeVision = True
+    freeze_aligner: FreezeAligner = True
+    freeze_llm: FreezeLlm = False
+    min_pixels: MinPixels = None
+    max_pixels: MaxPixels = None
+    fps: VideoFps = 2.0
+    max_frames: MaxFrames = 64
+
+    def objective_options(self) -> dict:
+        """The vision_lm objective's options (twinkle_core.objectives.vision); empty sizes are the checkpoint's."""
+        options = {name: getattr(self, name) for name in VisionFields.model_fields}
         return {key: value for key, value in options.items() if value is not None}
 
 

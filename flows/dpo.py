@@ -146,7 +146,8 @@ def dpo(config: DPOConfig = DPOConfig()) -> dict:
                                       config.loss_type, config.beta, config.max_new_tokens, tracked.run_id,
                                       config.timeout_minutes * 60)
         registration = register(checkpoint, config.model_name(), tracked.run_id, reports["trained"][CHAMPION_METRIC],
-                                tracked.tags, metric="eval_" + CHAMPION_METRIC, higher_is_better=True)
+                                tracked.tags, metric="eval_" + CHAMPION_METRIC, higher_is_better=True, base=model,
+                                dataset=train_file, register_as=config.register_as)
     run_id, links = tracked.run_id, tracked.links
     summary = render_dpo_summary(config, prompts, reports, registration, run_id, checkpoint, train_data, model.family,
                                  links)

@@ -125,7 +125,7 @@ def embedding(config: EmbeddingConfig = EmbeddingConfig()) -> dict:
         extras = {"adapter": str(adapter)} if config.use_lora else {}
         registration = register(checkpoint, config.model_name(), tracked.run_id, reports["trained"][CHAMPION_METRIC],
                                 tracked.tags, metric="eval_" + metric_key(CHAMPION_METRIC),
-                                higher_is_better=True, extras=extras)
+                                higher_is_better=True, extras=extras, base=model, dataset=train_file)
     run_id, links = tracked.run_id, tracked.links
     summary = render_embedding_summary(config, reports, registration, run_id, checkpoint, train_data, settings,
                                        model.family, links)

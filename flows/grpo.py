@@ -154,7 +154,8 @@ def grpo(config: GRPOConfig = GRPOConfig()) -> dict:
                                    list(config.rewards), config.reward_weights, dict(config.reward_options),
                                    config.max_completion_length, tracked.run_id, config.timeout_minutes * 60)
         registration = register(checkpoint, config.model_name(), tracked.run_id, reports["trained"][CHAMPION_METRIC],
-                                tracked.tags, metric="eval_" + CHAMPION_METRIC, higher_is_better=True)
+                                tracked.tags, metric="eval_" + CHAMPION_METRIC, higher_is_better=True, base=model,
+                                dataset=train_file, register_as=config.register_as)
     run_id, links = tracked.run_id, tracked.links
     summary = render_grpo_summary(config, reports, registration, run_id, checkpoint, train_data, model.family, links)
     create_markdown_artifact(summary, key="grpo-summary", description="base vs trained on held-out prompts")

@@ -165,7 +165,7 @@ def _prepare_tenant(config: MultiLoraConfig, tenant: TenantSpec, model: ModelRef
     prompts = sample_prompts(eval_file, config.eval_prompts)
     shared = set(TenantRunConfig.model_fields) & set(TenantSpec.model_fields)
     run = TenantRunConfig(**tenant.model_dump(include=shared), train_data=train_data.path, mlflow_run_id=run_id)
-    return {"run": run, "eval_data": eval_data, "prompts": prompts, "train_data": train_data}
+    return {"run": run, "eval_data": eval_data, "prompts": prompts, "train_data": train_data, "train_file": train_file}
 
 
 def _evaluate_and_register(config: MultiLoraConfig, name: str, model: ModelRef, checkpoint, prepared: dict,
@@ -175,7 +175,8 @@ def _evaluate_and_register(config: MultiLoraConfig, name: str, model: ModelRef, 
     run_id = prepared["run"].mlflow_run_id
     reports = evaluate(model, checkpoint, prepared["eval_data"], prepared["prompts"], str(tenant_dir),
                        config.mixed_precision, config.max_new_tokens, run_id)
-    registration = register(checkpoint, config.model_name(name), run_id, reports["trained"]["eval_loss"])
+    registration = register(checkpoint, config.model_name(name), run_id, reports["trained"]["eval_loss"], base=model,
+                            dataset=prepared["train_file"])
     return {"checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss, "final_metrics": checkpoint.final_metrics,
             "reports": reports, "registration": registration, "prompts": prepared["prompts"]}
 

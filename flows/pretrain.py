@@ -97,7 +97,8 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> dict:
     timeout_s = config.timeout_minutes * 60
     model = download_model(config.model_id, **config.model_options())
     config.check_model(model)  # model-dependent rules (tp_size vs the heads, MoE under tp) before the rest
-    data = pack(download_dataset(config.dataset), model, config.seq_length, config.validation_fraction,
+    dataset = download_dataset(config.dataset)
+    data = pack(dataset, model, config.seq_length, config.validation_fraction,
                 config.seed, config.max_bad_fraction)
     megatron_model = convert(model, "megatron", config.tp_size, config.pp_size, timeout_s)
     tags = prefect_tags("pretrain")
@@ -116,7 +117,8 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> dict:
                              config.seed, config.document_masks, run_id)
         hf_checkpoint = CheckpointRef(path=exported.path, is_adapter=False, final_metrics=checkpoint.final_metrics,
                                       train_seconds=checkpoint.train_seconds, probe_loss=report["loss"])
-        registration = register(hf_checkpoint, config.model_name(), run_id, report["loss"], tags)
+        registration = register(hf_checkpoint, config.model_name(), run_id, report["loss"], tags, base=model,
+                                dataset=dataset)
         log_loss_curve(run_id)
     except BaseException:
         finish_tracking(run_id, "FAILED")

@@ -87,7 +87,7 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
         reports = evaluate(hf_model, checkpoint, eval_data, prompts, str(run_dir), config.mixed_precision,
                            config.max_new_tokens, tracked.run_id)
         registration = register(checkpoint, config.model_name(), tracked.run_id, reports["trained"]["eval_loss"],
-                                tracked.tags)
+                                tracked.tags, base=hf_model, dataset=train_file, register_as=config.register_as)
     run_id, links = tracked.run_id, tracked.links
     summary = render_summary(config, prompts, reports, registration, run_id, checkpoint, train_data, links,
                              hf_model.family)

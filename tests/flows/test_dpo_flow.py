@@ -57,7 +57,7 @@ def test_dpo_flow_raises_reward_accuracy_logs_rewards_and_registers(sft_workspac
     assert run.data.metrics["base_eval_reward_accuracy"] == pytest.approx(base["reward_accuracy"])
     version = client.get_model_version_by_alias("tiny-dpo", "champion")
     assert version.run_id == result["run_id"]
-    assert "model/adapter_config.json" in {a.path for a in client.list_artifacts(result["run_id"], "model")}
+    assert "model/MLmodel" in {a.path for a in client.list_artifacts(result["run_id"], "model")}
     assert "reference_logps" not in _task_names(state.state_details.flow_run_id)
 
     # The reference precomputed in its own cached task: the same training, step for step (LoRA: the

@@ -49,7 +49,7 @@ def test_three_tenants_one_broken_the_others_train_evaluate_and_register(sft_wor
             [t.name for t in config.tenants].index(name)].lora_r)
         version = client.get_model_version_by_alias(f"tiny-{name}", "champion")
         assert str(version.version) == "1" and version.run_id == run.info.run_id
-        assert "model/adapter_config.json" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}
+        assert "model/MLmodel" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}
     assert result["results"]["alpha"]["probe_loss"] != result["results"]["gamma"]["probe_loss"]
     assert "| broken | FAILED: " in result["summary"] and "| alpha | trained |" in result["summary"]
 

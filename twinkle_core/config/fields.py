@@ -62,6 +62,9 @@ LoraRank = Annotated[int, Field(ge=1, description="LoRA rank.")]
 LoraAlpha = Annotated[int, Field(ge=1, description="LoRA alpha (scaling = alpha / r).")]
 LoraDropout = Annotated[float, Field(ge=0, lt=1, description="LoRA dropout.")]
 LoraTargets = Annotated[list[str] | str, Field(description="Modules to adapt (names, or 'all-linear').")]
+RegisterAs = Annotated[Literal["adapter", "merged"], Field(description=(
+    "How a LoRA run is registered in MLflow: 'adapter' (small; loads on its base, which the version names) or "
+    "'merged' (the adapter folded into its base: a standalone model)."))]
 
 # ----- optimization --------------------------------------------------------------------------------------
 OptimizerName = Annotated[str, Field(description="A torch.optim optimizer class name (megatron: AdamW or SGD, megatron-core's own).")]
@@ -314,6 +317,8 @@ class _UseLoraField(BaseModel):
 
 class AdapterFields(LoraFields, _UseLoraField):
     """A LoRA adapter, or (use_lora=false) every weight."""
+
+    register_as: RegisterAs = "adapter"
 
 
 class OptimizerFields(BaseModel):

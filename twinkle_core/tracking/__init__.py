@@ -6,8 +6,8 @@ workers, which only log through MetricsLogger (itself lazy), start without it.
 from twinkle_core.tracking.links import LOSS_CURVE, artifact_url, mlflow_ui_url, plot_loss_curve, run_url
 from twinkle_core.tracking.logger import MetricsLogger, redact, tracking_uri
 
-__all__ = ["LOSS_CURVE", "MetricsLogger", "RegistrationResult", "artifact_url", "mlflow_ui_url", "plot_loss_curve",
-           "redact", "register_version", "run_url", "tracking_uri"]
+__all__ = ["LOSS_CURVE", "MetricsLogger", "RegistrationResult", "artifact_url", "load_registered", "mlflow_ui_url",
+           "plot_loss_curve", "redact", "register_version", "run_url", "tracking_uri"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from twinkle_core.tracking import registry
 
         return getattr(registry, name)
+    if name == "load_registered":
+        from twinkle_core.tracking.registered import load_registered
+
+        return load_registered
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

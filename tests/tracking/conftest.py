@@ -1,0 +1,16 @@
+import pytest
+
+from registered_models import register_run, train_adapter
+
+
+@pytest.fixture(scope="session")
+def registered(tmp_path_factory):
+    """A real MLflow sqlite store holding 'tiny-chat' (the adapter) and 'tiny-chat-merged', both champions."""
+    root = tmp_path_factory.mktemp("registered")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        env.setenv("TWINKLE_CACHE", str(root / "cache"))
+        train_adapter(root / "base", root / "adapter")
+        adapter = register_run(root, "tiny-chat", "adapter")
+        merged = register_run(root, "tiny-chat-merged", "merged")
+        yield {"root": root, "adapter": adapter, "merged": merged, "uri": f"sqlite:///{root / 'mlflow.db'}"}

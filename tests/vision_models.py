@@ -49,17 +49,17 @@ def qwen_vl_tokenizer():
 
 
 def tiny_qwen2_5_vl(tokenizer, seed: int = 0) -> Qwen2_5_VLForConditionalGeneration:
-    """A random Qwen2.5-VL of the real class: 2 text layers (hidden 32), a 1-block vision tower, real M-RoPE."""
+    """A random Qwen2.5-VL of the real class: 2 text layers (hidden 64), a 1-block vision tower, real M-RoPE."""
     tid = tokenizer.convert_tokens_to_ids
     config = AutoConfig.for_model(
         "qwen2_5_vl",
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                          bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"),
                          pad_token_id=tid("<|endoftext|>"),
                          rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
-                                          "mrope_section": [1, 1, 2]}),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
+                                          "mrope_section": [2, 3, 3]}),  # head_dim 16: 8 rotary pairs
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2, window_size=56,
                            fullatt_block_indexes=[0], tokens_per_second=2),
         image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),

@@ -17,7 +17,7 @@ from twinkle_core.families import (
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SPEC_FAMILIES = {"qwen3_5", "qwen3", "qwen2_5", "deepseek_v4", "deepseek_r1", "llama3", "mistral", "yi", "glm4", "internlm2_5",
-                 "qwen3_embedding", "bert_embedding", "gte"}
+                 "qwen3_embedding", "bert_embedding", "gte", "qwen2_5_vl"}
 
 
 def test_every_family_of_the_specification_is_registered():
@@ -35,6 +35,7 @@ def test_readme_table_is_generated_from_the_registry():
     ("ms://mistralai/Mistral-7B-v0.3", "mistral"), ("hf://01-ai/Yi-1.5-34B", "yi"),
     ("hf://THUDM/glm-4-9b-chat", "glm4"), ("ms://internlm/internlm2_5-7b-chat", "internlm2_5"),
     ("hf://Qwen/Qwen3-8B", "qwen3"), ("ms://Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3"),
+    ("ms://Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl"),
 ])
 def test_hub_ids_name_their_family_before_download(model_id, family):
     assert check_model_id(model_id).name == family
@@ -44,7 +45,7 @@ def test_ids_that_cannot_be_told_yet_pass_and_later_kinds_fail_early():
     assert check_model_id("/models/my-llama") is None
     assert check_model_id("hf://someone/custom-model") is None
     with pytest.raises(UnsupportedModelError, match="vision-language.*Qwen 2.5"):
-        check_model_id("ms://Qwen/Qwen2.5-VL-7B-Instruct")
+        check_model_id("hf://OpenGVLab/InternVL2_5-8B")
     assert check_model_id("ms://Qwen/Qwen3-Embedding-0.6B").name == "qwen3_embedding"
     assert check_model_id("hf://thenlper/gte-large-zh").name == "bert_embedding"
 

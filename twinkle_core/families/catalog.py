@@ -1,7 +1,7 @@
-"""The language-model families of the specification (../shared/MODELS.md), one entry each."""
+"""The model families of the specification (../shared/MODELS.md), one entry each."""
 from __future__ import annotations
 
-from twinkle_core.families.registry import ModelFamily, register_family
+from twinkle_core.families.registry import ModelFamily, VisionParts, register_family
 
 CHATML_END = ("<|im_end|>",)
 DEEPSEEK_END = ("<｜end▁of▁sentence｜>",)
@@ -93,4 +93,15 @@ register_family(ModelFamily(
     name="gte", title="GTE (new, RoPE)", model_ids="Alibaba-NLP/gte-multilingual-base, gte-modernbert",
     model_types=("gte",), id_pattern=r"^alibaba-nlp/gte-", chat_template=None, end_of_turn=(), tools=False,
     pooling="cls", notes="transformers' native `gte` encoder (rotary positions); CLS pooling",
+))
+
+# ----- vision-language models (the vision_lm objective: twinkle_core.objectives.vision) --------------------
+register_family(ModelFamily(
+    name="qwen2_5_vl", title="Qwen 2.5 VL", model_ids="Qwen/Qwen2.5-VL-7B-Instruct", model_types=("qwen2_5_vl",),
+    id_pattern=r"^qwen/qwen2\.5-vl-", chat_template="qwen2_5", end_of_turn=CHATML_END, tools=False,
+    vision=VisionParts(vision_tower=("model.visual",), aligner=("model.visual.merger",),
+                       language_model=("model.language_model", "lm_head")),
+    notes="images (video rows encode too); 3-D M-RoPE positions from mm_token_type_ids; the stock processor "
+          "needs torchvision, so images go through transformers' PIL image processor and video frames "
+          "(PyAV) through our patchify",
 ))

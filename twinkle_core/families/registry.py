@@ -18,6 +18,25 @@ class UnsupportedModelError(UserError):
 
 
 @dataclass(frozen=True)
+class VisionParts:
+    """Where a vision-language model keeps its parts, as module-name prefixes (the longest match owns a
+    module): what freeze_vision / freeze_aligner / freeze_llm freeze and keep LoRA off."""
+
+    vision_tower: tuple[str, ...]
+    aligner: tuple[str, ...]
+    language_model: tuple[str, ...]
+
+    def part_of(self, name: str) -> str | None:
+        """'vision_tower', 'aligner' or 'language_model' for a module or parameter name; None: none of them."""
+        best, owner = -1, None
+        for part in ("vision_tower", "aligner", "language_model"):
+            for prefix in getattr(self, part):
+                if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
+                    best, owner = len(prefix), part
+        return owner
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str  # registry key, e.g. "qwen2_5"
     title: str  # as people say it, e.g. "Qwen 2.5"
@@ -38,6 +57,7 @@ class ModelFamily:
     pooling: str | None = None  # "last", "cls" or "mean"; a checkpoint's own 1_Pooling/config.json wins
     query_prompt: str = ""  # put before every query; "{task}" is replaced by the task text
     query_task: str = ""  # the published default task text
+    vision: VisionParts | None = None  # vision-language families: loaded with AutoModelForImageTextToText
     notes: str = ""
     _id_regex: re.Pattern = field(init=False, repr=False, compare=False)
 
@@ -52,6 +72,10 @@ class ModelFamily:
     @property
     def is_embedding(self) -> bool:
         return self.pooling is not None
+
+    @property
+    def is_vision(self) -> bool:
+        return self.vision is not None
 
     @property
     def has_moe(self) -> bool:

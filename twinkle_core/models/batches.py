@@ -9,10 +9,12 @@ from twinkle_core.data import collate, encode_chat, get_row_format
 
 
 def to_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, max_length: int | None,
-             kind: str = "chat", encode_options: dict | None = None) -> dict:
-    """Rows are encoded (chat rows with the model's chat template) and collated; dicts are moved as they are."""
+             kind: str = "chat", encode_options: dict | None = None, encoder: Any = None) -> dict:
+    """Rows are encoded (chat rows with the model's chat template) and collated; dicts are moved as they are.
+
+    `encoder`: what the row kind encodes with in the tokenizer's place (a vision model's processor)."""
     if kind != "chat":
-        return _rows_batch(inputs, tokenizer, device, max_length, kind, encode_options or {})
+        return _rows_batch(inputs, tokenizer, device, max_length, kind, encode_options or {}, encoder or tokenizer)
     if isinstance(inputs, list):
         if not inputs:
             raise ValueError("inputs: an empty list of rows; pass at least one chat row.")
@@ -29,7 +31,7 @@ def to_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, ma
 
 
 def _rows_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, max_length: int | None,
-                kind: str, encode_options: dict) -> dict:
+                kind: str, encode_options: dict, encoder: Any) -> dict:
     """Rows of another kind (e.g. embedding pairs) through their row format; a collated dict as it is."""
     row_format = get_row_format(kind)
     if isinstance(inputs, list):
@@ -37,7 +39,7 @@ def _rows_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device,
             raise ValueError(f"inputs: an empty list of rows; pass at least one {kind} row.")
         examples = []
         for row in inputs:
-            encoded = row_format.encode(tokenizer, row_format.validate(row), **encode_options)
+            encoded = row_format.encode(encoder, row_format.check(row), **encode_options)  # paths: from the cwd
             encoded = encoded if isinstance(encoded, list) else [encoded]  # a row may give several examples
             examples += [row_format.truncate(e, max_length) if max_length else e for e in encoded]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

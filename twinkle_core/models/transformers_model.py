@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from peft import LoraConfig, get_peft_model
 import transformers
 from transformers import AutoTokenizer
 
-from twinkle_core.data import use_chat_template
+from twinkle_core.data import get_row_format, use_chat_template
 from twinkle_core.families import family_for_model_dir, get_family
 from twinkle_core.hub import check_weight_files, resolve_model
 from twinkle_core.models.batches import count_input_tokens, to_batch
@@ -57,6 +58,13 @@ def _is_batch_list(inputs) -> bool:
     """A list of collated micro-batches (dicts of tensors), not a list of rows."""
     return isinstance(inputs, list) and bool(inputs) and all(
         isinstance(item, dict) and item and all(torch.is_tensor(v) for v in item.values()) for item in inputs)
+
+
+def _with_excluded(exclude: list[str] | str | None, names: tuple[str, ...]) -> list[str] | str:
+    """PEFT's exclude_modules plus `names` (full module names): a list stays a list, a regex gains them."""
+    if isinstance(exclude, str):
+        return "|".join([f"(?:{exclude})", *(re.escape(name) for name in names)])
+    return sorted(set(exclude or ()) | set(names))
 
 
 def _default_device() -> torch.device:
@@ -136,6 +144,12 @@ class TransformersModel:
         self.model = auto_class.from_pretrained(self.path, **from_pretrained_kwargs).to(self.device)
         if self.objective.prepare_model:
             self.objective.prepare_model(self.model)
+        # A vision-language model's frozen parts (vision tower, aligner, ...): fixed, and kept out of LoRA.
+        self.frozen_linears: tuple[str, ...] = (
+            self.objective.freeze_parts(self.model, self.family, self.objective_options)
+            if self.objective.freeze_parts else ())
+        # What encodes rows passed to forward_backward: the tokenizer, or a vision model's processor.
+        self.encoder = get_row_format(self.objective.row_kind).load_encoder(self.tokenizer, Path(self.path))
         if self.precision.fp8_linears:
             convert_linears_to_fp8(self.model)
         self.router_aux_loss_coef = resolve_router_aux_loss_coef(self.model, router_aux_loss_coef)
@@ -168,6 +182,8 @@ class TransformersModel:
             config.target_modules = self.family.lora_target_modules
         if config.exclude_modules is None and self.family.lora_exclude_modules:
             config.exclude_modules = list(self.family.lora_exclude_modules)
+        if self.frozen_linears:
+            config.exclude_modules = _with_excluded(config.exclude_modules, self.frozen_linears)
         self.model = get_peft_model(self.model, config, adapter_name=name)
         self.adapter_name = name
         self.gradient_accumulation_steps = check_accumulation(gradient_accumulation_steps)
@@ -370,7 +386,7 @@ class TransformersModel:
 
     def _batch(self, inputs: list[dict] | dict) -> dict[str, torch.Tensor]:
         return to_batch(inputs, self.tokenizer, self.device, self.max_length, self.objective.row_kind,
-                        self.objective.encode_options(self.objective_options))
+                        self.objective.encode_options(self.objective_options), encoder=self.encoder)
 
     def _slice_sequences(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Sequence parallelism: this rank's slice of every row (unchanged otherwise)."""

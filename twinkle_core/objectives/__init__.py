@@ -31,6 +31,8 @@ class Objective:
     # (model_dir, family, options) -> the options loss_sum takes, checked and completed from the checkpoint
     resolve_options: Callable[[Path, Any, dict], dict] | None = None
     prepare_model: Callable[[Any], None] | None = None  # e.g. freeze parts the objective never uses
+    # (model, family, options) -> names of the linear layers in the parts it freezes (LoRA leaves them out)
+    freeze_parts: Callable[[Any, Any, dict], tuple[str, ...]] | None = None
     # (model, resolved options), when the optimizer is set (the adapter, if any, is in place): e.g. a reference copy
     prepare_training: Callable[[Any, dict], None] | None = None
     export: Callable[..., Path] | None = None  # (model, saved_dir, output_dir) -> the registered form
@@ -68,5 +70,6 @@ register_objective(Objective("causal_lm", "chat", causal_lm_loss_sum, frozenset(
 from twinkle_core.objectives import embedding as _embedding  # noqa: E402,F401  (registers infonce)
 from twinkle_core.objectives import preference as _preference  # noqa: E402,F401  (registers preference)
 from twinkle_core.objectives import grpo as _grpo  # noqa: E402,F401  (registers grpo)
+from twinkle_core.objectives import vision as _vision  # noqa: E402,F401  (registers vision_lm)
 
 __all__ = ["LossParts", "Objective", "get_objective", "register_objective"]

@@ -58,6 +58,15 @@ def _has_plain_head(model: torch.nn.Module) -> bool:
         return False
 
 
+def _backbone(base: torch.nn.Module) -> torch.nn.Module:
+    """The module whose last hidden state feeds the output layer. A vision-language model's `model` runs its
+    vision tower and then its decoder; its get_decoder() is the text decoder alone, which ignores the pixels."""
+    inner = getattr(base, "model", None)
+    if isinstance(inner, torch.nn.Module) and isinstance(getattr(inner, "language_model", None), torch.nn.Module):
+        return inner
+    return base.get_decoder()
+
+
 def _router_balance(model: torch.nn.Module) -> tuple[Callable, int, int] | None:
     """The architecture's own (load_balancing_loss_func, num_experts, top_k), or None if it has none.
 
@@ -101,7 +110,7 @@ def trained_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], sele
     """
     base = _unwrap(model)
     if _has_plain_head(base):
-        outputs = base.get_decoder()(**inputs, use_cache=False, **(extra or {}))
+        outputs = _backbone(base)(**inputs, use_cache=False, **(extra or {}))
         hidden = outputs.last_hidden_state[:, positions][selected]
         return base.get_output_embeddings()(hidden), outputs
     outputs = model(**inputs, use_cache=False, **(extra or {}))

@@ -64,6 +64,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    parser.add_argument("--precisions", default="bf16,fp8", help="comma-separated (fp8 needs torchao)")
     args = parser.parse_args()
     from transformers import AutoConfig
 
@@ -77,13 +78,15 @@ def main() -> int:
         offsets = torch.randint(0, 256, (args.batch_size,), generator=gen)
         ids = torch.stack([pattern[o:o + args.seq_len] for o in offsets.tolist()])
         batches.append({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)})
-    results = [run(args.model_dir, p, batches, args.warmup, args.compile) for p in ("bf16", "fp8")]
+    results = [run(args.model_dir, p, batches, args.warmup, args.compile) for p in args.precisions.split(",")]
     for r in results:
-        print(json.dumps({k: v for k, v in r.items() if k != "losses"}))
-    bf16, fp8 = results
-    print(f"loss after {args.steps} steps: bf16 {bf16['losses'][-1]:.4f}, fp8 {fp8['losses'][-1]:.4f}, "
-          f"difference {abs(bf16['losses'][-1] - fp8['losses'][-1]):.4f}")
-    print(f"fp8 / bf16 tokens/s: {fp8['tokens_per_s'] / bf16['tokens_per_s']:.2f}x")
+        print(json.dumps({**{k: v for k, v in r.items() if k != "losses"}, "final_loss": r["losses"][-1]}))
+    if len(results) == 2:
+        first, second = results
+        print(f"loss after {args.steps} steps: {first['precision']} {first['losses'][-1]:.4f}, {second['precision']} "
+              f"{second['losses'][-1]:.4f}, difference {abs(first['losses'][-1] - second['losses'][-1]):.4f}")
+        print(f"{second['precision']} / {first['precision']} tokens/s: "
+              f"{second['tokens_per_s'] / first['tokens_per_s']:.2f}x")
     return 0
 
 

@@ -27,6 +27,8 @@ class Strategy(str, Enum):
 
 Backend = Literal["transformers", "megatron"]
 PrecisionName = Literal["auto", "bf16", "fp16", "fp8", "no"]
+TransformerImplName = Literal["local", "transformer_engine"]
+Fp8RecipeName = Literal["tensorwise", "delayed"]
 SchedulerName = Literal["CosineWarmupScheduler", "LinearWarmupScheduler", "ConstantWarmupScheduler"]
 
 # ----- what to train on ------------------------------------------------------------------------------------
@@ -142,6 +144,9 @@ SpSize = Annotated[int, Field(ge=1, description="Sequence-parallel size: process
 TpSize = Annotated[int, Field(ge=1, description="Tensor-parallel size: processes each weight matrix is split over (LoRA or full); transformers: the processes left are FSDP (FSDP × TP); megatron: data parallel over what tp × pp leave.")]
 PpSize = Annotated[int, Field(ge=1, description="Pipeline-parallel size (backend megatron: 1F1B over the micro-batches).")]
 EpSize = Annotated[int, Field(ge=1, description="Expert-parallel size (MoE models): experts split over this many processes.")]
+CpSize = Annotated[int, Field(ge=1, description="Backend megatron: context-parallel size: each sequence split over this many processes inside Transformer Engine's attention (needs transformer_impl=transformer_engine; sequence lengths are padded to a multiple of 2 x cp_size).")]
+TransformerImpl = Annotated[TransformerImplName | None, Field(description="Backend megatron: layer implementation: local (megatron-core's plain torch layers; CPU and GPU) or transformer_engine (Transformer Engine's fused layers: fp8, context parallelism, packed sequences; CUDA only). Empty: transformer_engine where CUDA and Transformer Engine are present, else local.")]
+Fp8Recipe = Annotated[Fp8RecipeName, Field(description="mixed_precision=fp8: how float8 scales are chosen: tensorwise (current scaling: each tensor by its own amax as it is cast; the Transformers backend's only one) or delayed (backend megatron: from a history of past amaxes, Transformer Engine's DelayedScaling).")]
 SequenceParallel = Annotated[bool, Field(description="Transformers: Ulysses over the processes dp, fsdp and tp leave (sets sp_size); megatron: split activations along the sequence over the tp ranks (needs tp_size > 1).")]
 
 # ----- evaluation, registry, bookkeeping -----------------------------------------------------------------
@@ -376,12 +381,16 @@ class DataParallelFields(BaseModel):
 
 
 class ModelParallelFields(BaseModel):
-    """Splits of the model itself: tensor, pipeline and expert parallel, sequence-parallel activations."""
+    """Splits of the model itself: tensor, pipeline, expert and (megatron) context parallel, sequence-parallel
+    activations; and on megatron the layer implementation that computes them, with its fp8 recipe."""
 
     tp_size: TpSize = 1
     pp_size: PpSize = 1
     ep_size: EpSize = 1
     sequence_parallel: SequenceParallel = False
+    cp_size: CpSize = 1
+    transformer_impl: TransformerImpl = None
+    fp8_recipe: Fp8Recipe = "tensorwise"
 
 
 class CheckpointFields(BaseModel):

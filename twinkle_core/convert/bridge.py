@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from twinkle_core.convert.mapping import MappingTable, Rule, mapping_for
+from twinkle_core.convert.mapping import MappingTable, Rule, mapping_for, table_names
 from twinkle_core.convert.safetensors_io import SafetensorsReader, ShardWriter, finish_shards
 from twinkle_core.convert.transforms import Shapes, expected_hf_shapes, export_tensors, load_shard
 from twinkle_core.errors import UserError
@@ -89,10 +89,12 @@ def mapped_parameters(model, table: MappingTable) -> list[MappedParameter]:
     A parameter no rule covers is an error; buffers without a rule are run-time state and are skipped.
     """
     mapped = []
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+    named = [*model.named_parameters(), *model.named_buffers()]
+    local = table_names(model, [name for name, _ in named])  # a Transformer-Engine model's fused-norm names
+    for name, tensor in named:
         if ".lora_" in name:  # LoRA adapters (twinkle_core.megatron.lora) are exported as PEFT adapters
             continue
-        found = find_rule(model, table, name)
+        found = find_rule(model, table, local[name])
         is_parameter = isinstance(tensor, torch.nn.Parameter)
         if found is None and is_parameter:
             raise CheckpointMismatchError(f"megatron parameter {name!r} has no HF mapping; the table covers "

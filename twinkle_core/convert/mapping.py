@@ -174,8 +174,7 @@ def _te_fusions(mla: bool, moe_layer: bool) -> dict[str, str]:
     return fused
 
 
-def _renamed(names: list[str], hf_config, to_te: bool) -> dict[str, str]:
-    mla = architecture_for(hf_config).mla
+def _renamed(names: list[str], mla: bool, to_te: bool) -> dict[str, str]:
     moe_layers = {m.group(1) for m in map(_LAYER_NAME.match, names) if m and m.group(2) == "mlp.router.weight"}
     renamed = {}
     for name in names:
@@ -192,9 +191,17 @@ def _renamed(names: list[str], hf_config, to_te: bool) -> dict[str, str]:
 
 def to_te_names(names: list[str], hf_config) -> dict[str, str]:
     """Local-spec parameter names of a model (all of them, or whole layers) → the Transformer-Engine spec's."""
-    return _renamed(names, hf_config, to_te=True)
+    return _renamed(names, architecture_for(hf_config).mla, to_te=True)
 
 
 def from_te_names(names: list[str], hf_config) -> dict[str, str]:
     """Transformer-Engine-spec parameter names → the local spec's (the table's own names)."""
-    return _renamed(names, hf_config, to_te=False)
+    return _renamed(names, architecture_for(hf_config).mla, to_te=False)
+
+
+def table_names(model, names: list[str]) -> dict[str, str]:
+    """The names of a built GPTModel's parameters as the table writes them: the local spec's own, and a
+    Transformer-Engine model's translated (its config's `transformer_impl` says which spec built it)."""
+    if getattr(model.config, "transformer_impl", "local") != "transformer_engine":
+        return {name: name for name in names}
+    return _renamed(names, bool(model.config.multi_latent_attention), to_te=False)

@@ -1,11 +1,13 @@
-"""Hugging Face config → megatron-core `TransformerConfig` + local layer spec → `GPTModel` (one rank's part).
+"""Hugging Face config → megatron-core `TransformerConfig` + layer spec → `GPTModel` (one rank's part).
 
 One table (`ARCHITECTURES`) says, per Hugging Face `model_type`, what megatron-core needs beyond the
 shapes every decoder shares: q/k/v biases, q/k norms, multi-latent attention, mixture-of-experts. The
 shapes come from the HF config. The model is built with megatron's *local* spec (plain torch layers; for MLA with
 `MLACoreAttention`, as megatron's local core attention cannot take MLA's head widths), which runs on CPU
 in the CPU device mode and on GPU; weights are left uninitialized by default because they are
-loaded from a checkpoint (the bridge, or a dist checkpoint) right after.
+loaded from a checkpoint (the bridge, or a dist checkpoint) right after. With `transformer_impl=
+"transformer_engine"` (CUDA only; twinkle_core.megatron.engine) it is built with Transformer Engine's spec
+instead: fused norm + linear layers, TE's attention (context parallelism, packed `thd` rows) and fp8.
 
 Rotary embeddings: megatron computes the plain RoPE frequencies itself; for the scaled variants HF uses
 (llama3, linear, dynamic NTK at lengths below its threshold) the builder installs the inverse frequencies
@@ -260,10 +262,19 @@ def check_architecture(hf_config) -> Architecture:
 
 
 def transformer_config_from_hf(hf_config, layout: MegatronParallel = MegatronParallel(),
-                               dtype: torch.dtype = torch.float32, init_weights: bool = False):
-    """The megatron `TransformerConfig` that computes what the HF model computes, split as `layout` says."""
+                               dtype: torch.dtype = torch.float32, init_weights: bool = False,
+                               transformer_impl: str = "local", fp8: dict | None = None):
+    """The megatron `TransformerConfig` that computes what the HF model computes, split as `layout` says.
+
+    `transformer_impl`: "local" or "transformer_engine" (twinkle_core.megatron.engine); `fp8`: TE's fp8
+    fields (`engine.fp8_settings`), None for none.
+    """
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
+    te = transformer_impl == "transformer_engine"
+    if (fp8 or layout.cp > 1) and not te:
+        raise ValueError("fp8 and context parallelism compute in Transformer Engine's layers; build with "
+                         "transformer_impl='transformer_engine'.")
     arch = architecture_for(hf_config)
     _check_dense(hf_config, arch)
     check_layout(hf_config, layout)
@@ -278,15 +289,18 @@ def transformer_config_from_hf(hf_config, layout: MegatronParallel = MegatronPar
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=bool(qkv_bias),
         # MLA's q/kv latent norms are its "qk layernorm" in megatron's spec.
         qk_layernorm=arch.qk_layernorm or arch.mla, hidden_dropout=0.0, attention_dropout=0.0,
-        # The fused kernels are CUDA (or Apex/TE) code; the plain ones compute the same.
+        # The fused kernels are CUDA (or Apex/TE) code; the plain ones compute the same. Under TE its fused
+        # RoPE kernel runs (also for packed `thd` rows); weight-gradient fusion would need Apex for the output layer.
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=te, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        transformer_impl=transformer_impl, context_parallel_size=layout.cp, **(fp8 or {}),
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
         sequence_parallel=layout.sequence_parallel,
-        use_cpu_initialization=True, perform_initialization=init_weights,
+        # TE's layers are built straight on the GPU; the local spec on the CPU (the CPU device mode needs it)
+        use_cpu_initialization=not te, perform_initialization=init_weights,
         **extra,
     )
 
@@ -326,19 +340,19 @@ def _scale_rotary_like_hf(config, hf_config, attention_scaling: float) -> None:
 
 
 def build_gpt_chunks(hf_config, layout: MegatronParallel = MegatronParallel(), dtype: torch.dtype = torch.float32,
-                     init_weights: bool = False) -> list:
+                     init_weights: bool = False, transformer_impl: str = "local", fp8: dict | None = None) -> list:
     """This rank's model chunks: one GPTModel, or with virtual pipeline stages one per stage (same config)."""
-    if not layout.vpp:
-        return [build_gpt_model(hf_config, layout, dtype, init_weights)]
-    config = transformer_config_from_hf(hf_config, layout, dtype, init_weights)
+    config = transformer_config_from_hf(hf_config, layout, dtype, init_weights, transformer_impl, fp8)
     return [build_gpt_model(hf_config, layout, dtype, init_weights, vp_stage=stage, config=config)
-            for stage in range(layout.vpp)]
+            for stage in (range(layout.vpp) if layout.vpp else [None])]
 
 
 def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dtype: torch.dtype = torch.float32,
                     init_weights: bool = False, vp_stage: int | None = None, config=None):
     """This rank's part of the megatron `GPTModel` for `hf_config` (megatron's groups must be initialized);
-    with virtual pipeline stages, the chunk of stage `vp_stage` (see build_gpt_chunks)."""
+    with virtual pipeline stages, the chunk of stage `vp_stage` (see build_gpt_chunks). The layer spec
+    follows `config.transformer_impl`: megatron's local spec, or Transformer Engine's (whose fused norm +
+    linear layers the bridge names with `convert.from_te_names`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -350,13 +364,14 @@ def build_gpt_model(hf_config, layout: MegatronParallel = MegatronParallel(), dt
 
     config = config or transformer_config_from_hf(hf_config, layout, dtype, init_weights)
     rope = _rope_parameters(hf_config)
+    te = config.transformer_impl == "transformer_engine"
     # The block spec gives each layer its own spec: dense or MoE as moe_layer_freq says.
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm",
                                       vp_stage=vp_stage)
-    if layout.sequence_parallel:
+    if layout.sequence_parallel and not te:  # TE's norms support sequence parallelism themselves
         # MLA's latent norms included: megatron scatters the latents along the sequence before them.
         use_sequence_parallel_norms(spec)
-    if config.multi_latent_attention:
+    if config.multi_latent_attention and not te:  # TE's attention takes MLA's head widths
         for layer_spec in spec.layer_specs:
             attention = layer_spec.submodules.self_attention.submodules
             attention.core_attention = MLACoreAttention
@@ -402,8 +417,10 @@ def _mark_tensor_parallel_weights(model) -> None:
 
     for module in model.modules():
         dim = {ColumnParallelLinear: 0, VocabParallelEmbedding: 0, RowParallelLinear: 1}.get(type(module))
+        if dim is None and getattr(module, "parallel_mode", None) in ("column", "row"):  # TE's linears
+            dim = 0 if module.parallel_mode == "column" else 1
         weight = getattr(module, "weight", None)
-        if dim is not None and isinstance(weight, torch.nn.Parameter):
+        if dim is not None and isinstance(weight, torch.nn.Parameter) and not hasattr(weight, "tensor_model_parallel"):
             set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 

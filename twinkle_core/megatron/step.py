@@ -13,6 +13,7 @@ softmax, so the loss equals the Hugging Face model's whatever the tp size.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [b, s] 1.0 where a position is trained
     attention_mask: torch.Tensor | None  # [b, 1, s, s] bool, True = masked out; None = causal
     blocks: tuple[RowBlock, ...] | None = None  # each tenant's rows (None: one model, every row)
+    packed_seq_params: object | None = None  # Transformer Engine's `thd` documents (rows laid end to end)
 
 
 def row_blocks(row_adapters: list[str]) -> tuple[RowBlock, ...]:
@@ -53,11 +55,18 @@ def row_blocks(row_adapters: list[str]) -> tuple[RowBlock, ...]:
     return tuple(blocks)
 
 
+def _restarts(position_ids: torch.Tensor | None) -> bool:
+    """Whether position_ids restart inside a row (packed samples with their own positions)."""
+    if position_ids is None:
+        return False
+    expected = torch.arange(position_ids.shape[1], device=position_ids.device).expand_as(position_ids)
+    return not torch.equal(position_ids.to(expected.dtype), expected)
+
+
 def _megatron_attention_mask(mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> torch.Tensor | None:
     """A 4-D packed-documents mask (0 = attend) as megatron's boolean one; 2-D padding needs none (causal)."""
     if position_ids is not None:
-        expected = torch.arange(position_ids.shape[1], device=position_ids.device).expand_as(position_ids)
-        if not torch.equal(position_ids.to(expected.dtype), expected):
+        if _restarts(position_ids):
             raise ValueError(
                 "position_ids restart inside a row (packed samples with their own positions): megatron-core's "
                 "local layer spec rotates by sequence position, so packed rows must keep running positions. "
@@ -70,11 +79,65 @@ def _megatron_attention_mask(mask: torch.Tensor | None, position_ids: torch.Tens
 
 
 def split_micro_batches(batch: dict, micro_batch_size: int, pad_multiple: int = 1,
-                        row_adapters: list[str] | None = None, allow_ragged: bool = False) -> list[MicroBatch]:
+                        row_adapters: list[str] | None = None, allow_ragged: bool = False,
+                        packed_documents: bool = False, cp_size: int = 1, cp_rank: int = 0) -> list[MicroBatch]:
     """Shift labels over each whole row, pad the length to `pad_multiple` (sequence parallelism), cut rows.
 
     `row_adapters`: each row's adapter (multi-tenant LoRA); every micro-batch gets the blocks of its rows.
-    `allow_ragged`: the last micro-batch may be smaller (one pipeline stage: no fixed message shapes)."""
+    `allow_ragged`: the last micro-batch may be smaller (one pipeline stage: no fixed message shapes).
+    Transformer Engine: `packed_documents` turns packed rows (restarting positions or a 4-D document mask)
+    into `thd` micro-batches (twinkle_core.megatron.packed); `cp_size` > 1 gives this cp rank its chunks of
+    every row (the length is padded to a multiple of 2 x cp_size)."""
+    if packed_documents and (_restarts(batch.get("position_ids")) or _is_4d(batch.get("attention_mask"))):
+        return _packed_micro_batches(batch, micro_batch_size, pad_multiple, allow_ragged)
+    if cp_size > 1:
+        pad_multiple = math.lcm(pad_multiple, 2 * cp_size)
+    micro_batches = _row_micro_batches(batch, micro_batch_size, pad_multiple, row_adapters, allow_ragged)
+    return micro_batches if cp_size == 1 else [_context_parallel_part(m, cp_size, cp_rank) for m in micro_batches]
+
+
+def _is_4d(mask: torch.Tensor | None) -> bool:
+    return mask is not None and mask.dim() == 4
+
+
+def _packed_micro_batches(batch: dict, micro_batch_size: int, pad_multiple: int,
+                          allow_ragged: bool) -> list[MicroBatch]:
+    """Each micro-batch's rows laid end to end as one `thd` sequence with its documents' boundaries."""
+    from twinkle_core.megatron.packed import (document_starts_from_mask, document_starts_from_positions,
+                                              packed_seq_params)
+
+    positions = batch.get("position_ids")
+    starts = document_starts_from_positions(positions) if _restarts(positions) else \
+        document_starts_from_mask(batch["attention_mask"])
+    plain = {k: v for k, v in batch.items() if k not in ("attention_mask", "position_ids")}
+    rows = _row_micro_batches(plain, micro_batch_size, pad_multiple, None, allow_ragged)
+    extra = rows[0].tokens.shape[1] - starts.shape[1]
+    if extra:  # padding added for sequence parallelism: a segment of its own, in each row
+        pad_starts = torch.zeros(starts.shape[0], extra, dtype=torch.bool, device=starts.device)
+        pad_starts[:, 0] = True
+        starts = torch.cat([starts, pad_starts], dim=1)
+    out, first = [], 0
+    for micro in rows:
+        count = micro.tokens.shape[0]
+        out.append(MicroBatch(micro.tokens.reshape(1, -1), micro.labels.reshape(1, -1),
+                              micro.loss_mask.reshape(1, -1), None,
+                              packed_seq_params=packed_seq_params(starts[first:first + count], micro.tokens.device)))
+        first += count
+    return out
+
+
+def _context_parallel_part(micro: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
+    from twinkle_core.megatron.packed import split_for_context_parallel
+
+    if micro.attention_mask is not None:
+        raise ValueError("context parallelism takes causal rows only (no document mask); use cp_size=1.")
+    parts = split_for_context_parallel({"tokens": micro.tokens, "labels": micro.labels,
+                                        "loss_mask": micro.loss_mask}, cp_size, cp_rank)
+    return MicroBatch(parts["tokens"], parts["labels"], parts["loss_mask"], None, micro.blocks)
+
+
+def _row_micro_batches(batch: dict, micro_batch_size: int, pad_multiple: int, row_adapters: list[str] | None,
+                       allow_ragged: bool) -> list[MicroBatch]:
     tokens, labels = batch["input_ids"], batch["labels"]
     rows = tokens.shape[0]
     if rows % micro_batch_size and not allow_ragged:
@@ -121,11 +184,12 @@ def make_forward_step(vocab_size: int, router=None, tenants: list[str] | None = 
     def forward_step(data_iterator, model):
         micro: MicroBatch = next(data_iterator)
         positions = torch.arange(micro.tokens.shape[1], device=micro.tokens.device).expand_as(micro.tokens)
+        extra = {} if micro.packed_seq_params is None else {"packed_seq_params": micro.packed_seq_params}
         if router is not None and micro.blocks is not None:
             with router.route(micro.blocks):
-                logits = model(micro.tokens, positions, micro.attention_mask)
+                logits = model(micro.tokens, positions, micro.attention_mask, **extra)
         else:
-            logits = model(micro.tokens, positions, micro.attention_mask)  # [b, s, V/tp] on the last stage
+            logits = model(micro.tokens, positions, micro.attention_mask, **extra)  # [b, s, V/tp] on the last stage
 
         def loss_func(output: torch.Tensor):
             losses = vocab_masked_token_losses(output.contiguous(), micro.labels, vocab_size) * micro.loss_mask
@@ -165,7 +229,8 @@ def run_schedule(model_chunks: list, micro_batches: list[MicroBatch], vocab_size
     data = iter(micro_batches) if len(model_chunks) == 1 else [iter(micro_batches) for _ in model_chunks]
     reports = get_forward_backward_func()(
         forward_step_func=make_forward_step(vocab_size, router, tenants), data_iterator=data, model=model_chunks,
-        num_microbatches=len(micro_batches), seq_length=first.tokens.shape[1],
+        # the schedule's message shapes divide the whole sequence by cp itself
+        num_microbatches=len(micro_batches), seq_length=first.tokens.shape[1] * ps.get_context_parallel_world_size(),
         micro_batch_size=first.tokens.shape[0], forward_only=forward_only)
     width = 2 + 2 * len(tenants or ())
     totals = torch.zeros(width, device=first.tokens.device)

@@ -99,6 +99,12 @@ def _transformers_options(config, model_config) -> list[str]:
     return _bad(config, [
         ("mixed_precision", config.kind == "multi_lora" and config.mixed_precision == "fp8",
          "fp8 linears are not built for multi-tenant LoRA; use bf16 or no"),
+        ("cp_size", getattr(config, "cp_size", 1) > 1, "context parallelism belongs to the megatron backend; on "
+                                                      "transformers split sequences with sp_size (Ulysses)"),
+        ("transformer_impl", getattr(config, "transformer_impl", None) is not None,
+         "the layer implementation is a megatron option; leave it empty with backend='transformers'"),
+        ("fp8_recipe", getattr(config, "fp8_recipe", "tensorwise") != "tensorwise",
+         "the Transformers backend's fp8 (torchao) scales each tensor as it is cast; use fp8_recipe='tensorwise'"),
     ])
 
 
@@ -109,7 +115,17 @@ def _build_megatron(cfg):
     parallel = cfg.parallel
     return MegatronModel(str(cfg.model_path), mixed_precision=cfg.mixed_precision, tp_size=parallel.tp_size,
                          pp_size=parallel.pp_size, ep_size=parallel.ep_size,
-                         sequence_parallel=parallel.sequence_parallel, micro_batch_size=1, seed=cfg.seed)
+                         sequence_parallel=parallel.sequence_parallel, micro_batch_size=1, seed=cfg.seed,
+                         **megatron_engine_options(parallel, lora=cfg.use_lora))
+
+
+def megatron_engine_options(parallel, lora: bool) -> dict:
+    """MegatronModel's keywords for the layer implementation (resolved: LoRA trains on the local spec), its
+    fp8 recipe and context parallelism."""
+    from twinkle_core.megatron.engine import resolve_transformer_impl
+
+    return {"cp_size": parallel.cp_size, "transformer_impl": resolve_transformer_impl(parallel.transformer_impl, lora),
+            "fp8_recipe": parallel.fp8_recipe}
 
 
 def _build_megatron_tenants(cfg):
@@ -119,17 +135,52 @@ def _build_megatron_tenants(cfg):
     return MultiLoraMegatronModel(
         str(cfg.model_path), mixed_precision=cfg.mixed_precision, tp_size=parallel.tp_size,
         pp_size=parallel.pp_size, ep_size=parallel.ep_size, sequence_parallel=parallel.sequence_parallel,
-        micro_batch_size=cfg.micro_batch_size, max_loras=cfg.max_loras, max_r=cfg.max_r)
+        micro_batch_size=cfg.micro_batch_size, max_loras=cfg.max_loras, max_r=cfg.max_r,
+        transformer_impl=parallel.transformer_impl)  # LoRA: the local spec; fp8 and cp_size > 1 refused before
+
+
+def _megatron_engine_problems(config) -> list[str]:
+    """What the layer implementation decides: Transformer Engine runs here or not, and what needs it."""
+    from twinkle_core.megatron.engine import fp8_problem, resolve_transformer_impl, transformer_engine_problem
+
+    requested = getattr(config, "transformer_impl", None)
+    lora = config.kind == "multi_lora" or getattr(config, "use_lora", False)
+    explicit = raised_problems(resolve_transformer_impl, requested, lora)
+    if explicit:
+        return explicit
+    impl = resolve_transformer_impl(requested, lora)
+    te_problem = transformer_engine_problem() if impl == "local" else None
+    # why the local spec: chosen, LoRA, or no Transformer Engine here
+    why = f"transformer_impl={requested!r}" if requested else "LoRA trains on the local spec" if lora and \
+        not te_problem else te_problem
+    fp8_reason = (why if impl == "local" else fp8_problem()) if config.mixed_precision == "fp8" else None
+    cp = getattr(config, "cp_size", 1)
+    packs = getattr(config, "packing", False) or getattr(config, "document_masks", False)
+    seq_length = getattr(config, "seq_length", None)
+    return _bad(config, [
+        ("mixed_precision", bool(fp8_reason), f"fp8 on megatron computes in Transformer Engine's layers, and "
+                                              f"{fp8_reason}; use bf16 (recommended) or no"),
+        ("cp_size", cp > 1 and impl == "local",
+         f"context parallelism splits sequences inside Transformer Engine's attention, and {why}; use "
+         "cp_size=1, or transformer_impl='transformer_engine' on a CUDA machine with Transformer Engine"),
+        ("cp_size", cp > 1 and config.kind == "multi_lora", "context parallelism is not built for multi-tenant "
+                                                          "LoRA; use cp_size=1"),
+        ("cp_size", cp > 1 and bool(packs), "packed documents under context parallelism would each need padding "
+                                          "to a multiple of 2 x cp_size, which is not built; use cp_size=1 with "
+                                          "packing/document masks, or turn them off"),
+        ("cp_size", cp > 1 and seq_length is not None and seq_length % (2 * cp) != 0,
+         f"seq_length={seq_length} must be a multiple of 2 x cp_size={2 * cp} (each rank takes two balanced "
+         f"chunks of every sequence); e.g. seq_length={max(2 * cp, (seq_length or 0) // (2 * cp) * 2 * cp)}"),
+        ("packing", getattr(config, "packing", False) and impl == "local",
+         f"packed samples restart their positions, which megatron's local spec cannot express (Transformer "
+         f"Engine's packed 'thd' attention can, and {why}); use packing=false"),
+    ])
 
 
 def _megatron_options(config, model_config) -> list[str]:
-    return ["backend='megatron': " + problem for problem in _bad(config, [
-        ("mixed_precision", config.mixed_precision == "fp8", "fp8 on megatron needs Transformer Engine's layer "
-                                                             "spec; use bf16 (recommended) or no"),
+    return ["backend='megatron': " + problem for problem in _megatron_engine_problems(config) + _bad(config, [
         ("mixed_precision", config.kind == "multi_lora" and config.mixed_precision == "fp16",
          "each tenant would need its own loss scaler inside one backward; use bf16 or no"),
-        ("packing", getattr(config, "packing", False), "packed samples restart their positions, which megatron's "
-                                                      "local spec cannot express; use packing=false"),
         ("sp_size", getattr(config, "sp_size", 1) > 1, "Ulysses belongs to the Transformers backend; on megatron "
                                                       "use sequence_parallel=true with tp_size > 1"),
         ("dp_size", getattr(config, "dp_size", 1) > 1, "megatron's data parallelism is what tp_size x pp_size "
@@ -148,7 +199,7 @@ def _megatron_layout(config, model_config) -> list[str]:
 
     parallel = config.parallel()
     layout = MegatronParallel(parallel.tp_size, parallel.pp_size, parallel.ep_size, parallel.sequence_parallel,
-                              getattr(config, "virtual_pipeline_stages", None))
+                              getattr(config, "virtual_pipeline_stages", None), cp=parallel.cp_size)
     problems = raised_problems(layout.check, parallel.world_size())
     if problems or model_config is None:
         return problems

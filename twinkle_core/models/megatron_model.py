@@ -36,6 +36,7 @@ from twinkle_core.convert.megatron_checkpoint import (HF_DIR, copy_hf_side_files
                                                       sharded_state_dict)
 from twinkle_core.hub import resolve_model
 from twinkle_core.megatron import MegatronParallel, build_gpt_chunks, initialize_megatron_parallel
+from twinkle_core.megatron.engine import fp8_problem, fp8_settings, resolve_transformer_impl
 from twinkle_core.megatron.lora import add_megatron_lora, merge_lora
 from twinkle_core.megatron.step import run_schedule, split_micro_batches
 from twinkle_core.models.batches import to_batch
@@ -58,14 +59,23 @@ class MegatronModel:
     def __init__(self, model_id: str, mixed_precision: str = "auto", tp_size: int = 1, pp_size: int = 1,
                  ep_size: int = 1, sequence_parallel: bool = False, dp_size: int | None = None,
                  virtual_pipeline_stages: int | None = None, micro_batch_size: int = 1, use_distributed_optimizer: bool | None = None,
-                 max_length: int | None = None, seed: int = 0, expert_tensor_parallel_size: int | None = None):
+                 max_length: int | None = None, seed: int = 0, expert_tensor_parallel_size: int | None = None,
+                 cp_size: int = 1, transformer_impl: str | None = None, fp8_recipe: str = "tensorwise"):
         """`dp_size`: None takes what tp × pp leave of the processes (a given one must equal it);
         `virtual_pipeline_stages`: model chunks per pipeline rank (interleaved 1F1B; needs pp_size > 1);
         `use_distributed_optimizer`: shard optimizer state over data-parallel ranks (None: when dp > 1);
         `expert_tensor_parallel_size`: split each routed expert this many ways, independently of tp_size (None:
-        megatron's default, tp_size; 1 keeps experts whole and replicates them over tp as expert data parallelism)."""
+        megatron's default, tp_size; 1 keeps experts whole and replicates them over tp as expert data parallelism);
+        `cp_size`: context parallelism, each sequence split over cp ranks (Transformer Engine only);
+        `transformer_impl`: "local" or "transformer_engine" (None: TE where CUDA and TE are present, else local;
+        twinkle_core.megatron.engine); `fp8_recipe`: "tensorwise" or "delayed" with mixed_precision="fp8"."""
+        self.transformer_impl = resolve_transformer_impl(transformer_impl)
+        if cp_size > 1 and self.transformer_impl != "transformer_engine":
+            raise ValueError(f"cp_size={cp_size}: context parallelism splits sequences inside Transformer Engine's "
+                             f"attention, and this model uses transformer_impl={self.transformer_impl!r}; use "
+                             "cp_size=1, or transformer_impl='transformer_engine' on a CUDA machine.")
         self.layout = MegatronParallel(tp=tp_size, pp=pp_size, ep=ep_size, sequence_parallel=sequence_parallel,
-                                       vpp=virtual_pipeline_stages, etp=expert_tensor_parallel_size)
+                                       vpp=virtual_pipeline_stages, etp=expert_tensor_parallel_size, cp=cp_size)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.layout.check(world_size)  # a library user's guard; flows check before launch (train.checks)
         if virtual_pipeline_stages and pp_size == 2 and not torch.cuda.is_available():
@@ -73,11 +83,13 @@ class MegatronModel:
             # interleaved schedule's activation and gradient messages wrongly (pp=4 matches one process)
             raise ValueError("virtual_pipeline_stages with pp_size=2 is not supported over gloo (CPU): use "
                              "pp_size >= 3, or no virtual stages.")
-        if dp_size is not None and dp_size * tp_size * pp_size != world_size:
-            raise ValueError(f"dp_size={dp_size} x tp_size={tp_size} x pp_size={pp_size} must equal the "
-                             f"{world_size} processes; dp_size={world_size // (tp_size * pp_size)} would fit "
-                             "(or leave it empty).")
-        self.precision = _megatron_precision(mixed_precision)
+        if dp_size is not None and dp_size * tp_size * pp_size * cp_size != world_size:
+            cp = f" x cp_size={cp_size}" if cp_size > 1 else ""
+            raise ValueError(f"dp_size={dp_size} x tp_size={tp_size} x pp_size={pp_size}{cp} must equal the "
+                             f"{world_size} processes; dp_size={world_size // (tp_size * pp_size * cp_size)} would "
+                             "fit (or leave it empty).")
+        self.precision = _megatron_precision(mixed_precision, self.transformer_impl)
+        fp8 = fp8_settings(fp8_recipe) if self.precision.mode is MixedPrecision.fp8 else None
         self.model_id = model_id
         # a Megatron checkpoint of this project (local) loads as it is; anything else resolves like an HF id
         path = Path(model_id) if is_megatron_checkpoint(model_id) else Path(resolve_model(model_id).path)
@@ -96,7 +108,8 @@ class MegatronModel:
             else torch.device("cpu")
         # megatron keeps the model in the compute dtype; its optimizer holds fp32 master weights (bf16/fp16)
         # this rank's model chunks: one, or one per virtual pipeline stage
-        self.chunks = build_gpt_chunks(self.hf_config, self.layout, self.precision.compute_dtype)
+        self.chunks = build_gpt_chunks(self.hf_config, self.layout, self.precision.compute_dtype,
+                                       transformer_impl=self.transformer_impl, fp8=fp8)
         for chunk in self.chunks:
             chunk.config.calculate_per_token_loss = True  # the loss is normalised by global trained tokens
         if is_megatron_checkpoint(path):
@@ -141,6 +154,7 @@ class MegatronModel:
         if self.adapter_name is not None:
             raise ValueError(f"adapter {self.adapter_name!r} is already on this model; MegatronModel trains one "
                              "adapter.")
+        resolve_transformer_impl(self.transformer_impl, lora=True)  # TE's fused norm + linear layers: refused
         if self.ddp is not None:
             raise RuntimeError("add_adapter_to_model: call it before set_optimizer.")
         for chunk in self.chunks:
@@ -182,7 +196,7 @@ class MegatronModel:
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer=_OPTIMIZERS[optimizer_cls], lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
             adam_beta2=betas[1], adam_eps=eps, sgd_momentum=0.0, use_distributed_optimizer=distributed,
-            bf16=self.precision.mode is MixedPrecision.bf16, fp16=self.precision.mode is MixedPrecision.fp16,
+            bf16=self.precision.compute_dtype == torch.bfloat16, fp16=self.precision.mode is MixedPrecision.fp16,
             params_dtype=self.precision.compute_dtype, clip_grad=0.0), self.ddp)
 
     def set_lr_scheduler(self, scheduler_cls: str = "CosineWarmupScheduler", num_warmup_steps: int = 0,
@@ -351,9 +365,13 @@ class MegatronModel:
 
     # ----- helpers ---------------------------------------------------------------------------------
     def _micro_batches(self, inputs):
+        from megatron.core import parallel_state as ps
+
         batch = to_batch(inputs, self.tokenizer, self.device, self.max_length)
         pad = self.layout.tp if self.layout.sequence_parallel else 1
-        return split_micro_batches(batch, self.micro_batch_size, pad_multiple=pad, allow_ragged=self.layout.pp == 1)
+        return split_micro_batches(batch, self.micro_batch_size, pad_multiple=pad, allow_ragged=self.layout.pp == 1,
+                                   packed_documents=self.transformer_impl == "transformer_engine",
+                                   cp_size=self.layout.cp, cp_rank=ps.get_context_parallel_rank())
 
     def _current_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -367,10 +385,11 @@ class MegatronModel:
     def _all_reduce_dp(self, values: list[float]) -> list[float]:
         from megatron.core import parallel_state as ps
 
-        if self.data_parallel_size == 1:
+        # context-parallel ranks hold parts of the same rows: their sums add up too
+        if ps.get_data_parallel_world_size(with_context_parallel=True) == 1:
             return list(values)
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, group=ps.get_data_parallel_group())
+        dist.all_reduce(tensor, group=ps.get_data_parallel_group(with_context_parallel=True))
         return tensor.tolist()
 
     def _require_optimizer(self, verb: str) -> None:
@@ -378,13 +397,16 @@ class MegatronModel:
             raise RuntimeError(f"{verb}: call set_optimizer(...) first.")
 
 
-def _megatron_precision(mode: str):
+def _megatron_precision(mode: str, transformer_impl: str = "local"):
+    """The precision policy on megatron: fp8 computes in Transformer Engine's layers (bf16 elsewhere)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if str(mode) == "fp8":
-        raise ValueError("mixed_precision='fp8' on the Megatron backend needs Transformer Engine's layer spec "
-                         "on an H100-class GPU, which this build does not use yet; use 'bf16' (recommended) "
-                         "or 'no'.")
-    return resolve_precision(mode, device)
+        problem = fp8_problem() if transformer_impl == "transformer_engine" else \
+            f"this model uses transformer_impl={transformer_impl!r}"
+        if problem:
+            raise ValueError(f"mixed_precision='fp8' on the Megatron backend computes in Transformer Engine's "
+                             f"layers, and {problem}; use 'bf16' (recommended) or 'no'.")
+    return resolve_precision(mode, device, check_fp8=False)
 
 
 def moe_sequence_parallel_problems(hf_config, layout: MegatronParallel) -> list[str]:

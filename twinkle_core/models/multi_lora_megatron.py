@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from twinkle_core.convert.lora_peft import export_peft_adapter, load_peft_adapter, read_peft_config
+from twinkle_core.megatron.engine import resolve_transformer_impl
 from twinkle_core.megatron.lora import (LoraRowRouter, add_megatron_lora, adapter_parameters, check_lora_config,
                                         remove_megatron_lora)
 from twinkle_core.megatron.step import run_schedule, split_micro_batches
@@ -42,14 +43,17 @@ class MultiLoraMegatronModel(MultiTenant, MegatronModel):
 
     def __init__(self, model_id: str, mixed_precision: str = "auto", tp_size: int = 1, pp_size: int = 1,
                  ep_size: int = 1, sequence_parallel: bool = False, dp_size: int | None = None, micro_batch_size: int = 1,
-                 max_length: int | None = None, seed: int = 0, max_loras: int = 8, max_r: int = 64):
+                 max_length: int | None = None, seed: int = 0, max_loras: int = 8, max_r: int = 64,
+                 transformer_impl: str | None = None):
+        """`transformer_impl`: None or 'local' (the tenants' LoRA hooks the local spec's parallel linears)."""
         self.slots = TenantSlots(max_loras, max_r)  # checked before the model is built
+        transformer_impl = resolve_transformer_impl(transformer_impl, lora=True)
         if _megatron_precision(mixed_precision).mode is MixedPrecision.fp16:
             raise ValueError("mixed_precision='fp16' is not supported for multi-tenant LoRA on megatron (each "
                              "tenant would need its own loss scaler inside one backward); use 'bf16' or 'no'.")
         super().__init__(model_id, mixed_precision, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size,
                          sequence_parallel=sequence_parallel, dp_size=dp_size, micro_batch_size=micro_batch_size,
-                         max_length=max_length, seed=seed)
+                         max_length=max_length, seed=seed, transformer_impl=transformer_impl)
         for chunk in self.chunks:
             chunk.requires_grad_(False)
         self.router = LoraRowRouter()  # no default adapter: every pass names its rows' tenants

@@ -63,8 +63,11 @@ def auto_precision(device_type: str) -> MixedPrecision:
     return MixedPrecision.fp16 if device_type == "cuda" else MixedPrecision.no
 
 
-def resolve_precision(mode: str | MixedPrecision, device_type: str) -> PrecisionPolicy:
-    """Validate `mixed_precision` for the device and return its policy; raise with the fix if unsupported."""
+def resolve_precision(mode: str | MixedPrecision, device_type: str, check_fp8: bool = True) -> PrecisionPolicy:
+    """Validate `mixed_precision` for the device and return its policy; raise with the fix if unsupported.
+
+    `check_fp8=False`: the caller computes fp8 in its own layers and checks that itself (the Megatron backend:
+    Transformer Engine, twinkle_core.megatron.engine), so torchao's requirements do not apply."""
     try:
         mode = MixedPrecision(mode)
     except ValueError:
@@ -73,7 +76,7 @@ def resolve_precision(mode: str | MixedPrecision, device_type: str) -> Precision
     if mode is MixedPrecision.auto:
         mode = auto_precision(device_type)
     if mode is MixedPrecision.fp8:
-        reason = fp8_unavailable_reason(device_type)
+        reason = fp8_unavailable_reason(device_type) if check_fp8 else None
         if reason:
             raise ValueError(
                 f"mixed_precision='fp8' cannot run here: {reason}. fp8 needs an H100-class GPU with torchao "

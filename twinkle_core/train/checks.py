@@ -35,7 +35,8 @@ def _common_problems(config) -> list[str]:
     if getattr(config, "chat_template", None):
         problems += raised_problems(read_chat_template, config.chat_template)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    problems += raised_problems(resolve_precision, config.mixed_precision, device)
+    # megatron computes fp8 in Transformer Engine's layers and checks that in its own rules (models.backends)
+    problems += raised_problems(resolve_precision, config.mixed_precision, device, config.backend != "megatron")
     try:
         objective = get_objective(config.objective)
     except ValueError as err:

@@ -63,6 +63,7 @@ class PretrainRecipe:
         from transformers import AutoConfig
 
         from twinkle_core.models import MegatronModel
+        from twinkle_core.models.backends import megatron_engine_options
 
         cfg = self.config
         torch.manual_seed(cfg.seed)
@@ -72,7 +73,8 @@ class PretrainRecipe:
                                    tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size,
                                    ep_size=cfg.parallel.ep_size, sequence_parallel=cfg.parallel.sequence_parallel,
                                    virtual_pipeline_stages=cfg.virtual_pipeline_stages,
-                                   micro_batch_size=cfg.micro_batch_size, seed=cfg.seed)
+                                   micro_batch_size=cfg.micro_batch_size, seed=cfg.seed,
+                                   **megatron_engine_options(cfg.parallel, lora=False))
         dp = self.model.data_parallel_size  # global_batch_size fits it: flows.pretrain checked before launch
         self.model.set_optimizer(cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.model.set_lr_scheduler(cfg.scheduler, num_warmup_steps=int(cfg.warmup_ratio * cfg.max_steps),

@@ -1,5 +1,6 @@
 """A registered version is a real MLflow model: pyfunc chat, load_registered, lineage tags, no duplicates."""
 import json
+from pathlib import Path
 
 import mlflow.pyfunc
 import pytest
@@ -43,8 +44,8 @@ def test_adapter_version_names_its_base_portably_and_logs_it_once(store):
     experiment = client.get_experiment_by_name(BASE_EXPERIMENT)
     assert len(client.search_runs([experiment.experiment_id])) == 1  # two registrations, one logged base
     version = client.get_model_version_by_alias("tiny-chat", "champion")
-    local = mlflow.artifacts.download_artifacts(f"models:/tiny-chat@champion", dst_path=str(store["root"] / "dl"))
-    adapter_config = json.loads(next(__import__("pathlib").Path(local).rglob("adapter_config.json")).read_text())
+    local = mlflow.artifacts.download_artifacts("models:/tiny-chat@champion", dst_path=str(store["root"] / "dl"))
+    adapter_config = json.loads(next(Path(local).rglob("adapter_config.json")).read_text())
     assert adapter_config["base_model_name_or_path"] == version.tags["twinkle.base_model_id"]
     assert version.tags["twinkle.kind"] == "adapter" and version.tags["twinkle.base_uri"].startswith("runs:/")
     merged = client.get_model_version_by_alias("tiny-chat-merged", "champion")

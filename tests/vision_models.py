@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoConfig, GenerationConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import AutoConfig, GenerationConfig, InternVLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
 
 from family_models import family_tokenizer
+from tiny_models import make_tiny_tokenizer
 from twinkle_core.data import get_chat_template
 
 PATCH, MERGE = 14, 2
@@ -80,4 +81,35 @@ def save_tiny_qwen2_5_vl(directory: Path, seed: int = 0) -> Path:
         "image_processor_type": "Qwen2VLImageProcessor", "patch_size": PATCH, "merge_size": MERGE,
         "temporal_patch_size": 2, "min_pixels": PIXELS[0], "max_pixels": PIXELS[1],
         "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}))
+    return Path(directory)
+
+
+INTERNVL_TOKENS = ["<img>", "</img>", "<IMG_CONTEXT>"]
+TILE = 56  # a tile is 4x4 patches of 14, pixel-shuffled to 2x2: 4 context tokens per tile
+
+
+def internvl_tokenizer():
+    """A ChatML tokenizer with InternVL's image tokens."""
+    return make_tiny_tokenizer(extra_special_tokens=INTERNVL_TOKENS)
+
+
+def save_tiny_internvl(directory: Path, seed: int = 0) -> Path:
+    """A transformers-native InternVL directory: a 2-layer Qwen2 language model, a 1-layer InternViT, 56-pixel
+    tiles (at most 4 and a thumbnail), preprocessor_config.json."""
+    tokenizer = internvl_tokenizer()
+    tid = tokenizer.convert_tokens_to_ids
+    config = AutoConfig.for_model(
+        "internvl",
+        text_config=dict(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=TILE, patch_size=PATCH),
+        image_token_id=tid("<IMG_CONTEXT>"), image_seq_length=4, downsample_ratio=0.5)
+    torch.manual_seed(seed)
+    InternVLForConditionalGeneration(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    (Path(directory) / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "GotOcr2ImageProcessor", "size": {"height": TILE, "width": TILE},
+        "crop_to_patches": True, "min_patches": 1, "max_patches": 4}))
     return Path(directory)

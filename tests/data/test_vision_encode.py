@@ -94,7 +94,7 @@ def test_two_equal_frames_patchify_like_the_stock_image_processor(tmp_path, proc
     frame = np.random.default_rng(0).integers(0, 256, (56, 84, 3), dtype=np.uint8)
     from twinkle_core.data.vision_encode import MediaOptions
 
-    patches, grid = processor.video(np.stack([frame, frame]), MediaOptions(max_pixels=56 * 84))
+    patches, grid = processor.frames(np.stack([frame, frame]), MediaOptions(max_pixels=56 * 84))
     stock = processor.image_processor(images=[Image.fromarray(frame)], size={"shortest_edge": 56 * 56,
                                                                             "longest_edge": 56 * 84})
     assert grid == [1, 4, 6] and stock["image_grid_thw"].tolist() == [[1, 4, 6]]
@@ -147,3 +147,30 @@ def test_tokenised_cache_keeps_pixels_and_grids(tmp_path, model_dir):
     assert from_cache.keys() == fresh.keys() and "pixel_values" in from_cache
     for key in fresh:
         assert torch.equal(from_cache[key], fresh[key]), key
+
+
+def test_internvl_images_become_tiles_and_context_tokens(tmp_path):
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+    from vision_models import internvl_tokenizer, save_tiny_internvl
+
+    model_dir = save_tiny_internvl(tmp_path / "internvl")
+    processor = ROW_FORMAT.load_encoder(internvl_tokenizer(), model_dir)
+    wide = write_image(tmp_path / "wide.png", size=(112, 56), seed=1)  # 2 tiles and a thumbnail
+    write_image(tmp_path / "red.png")  # 1 tile, no thumbnail
+    rows = [_row(tmp_path, images=["wide.png"]), _row(tmp_path, "<image>Is it red?", "Yes.", images=["red.png"])]
+    examples = [ROW_FORMAT.encode(processor, row) for row in rows]
+    tokenizer = processor.tokenizer
+    assert examples[0]["image_rows"] == [3] and examples[1]["image_rows"] == [1]
+    assert examples[0]["mm_token_type_ids"].count(1) == 3 * 4  # 4 context tokens per tile
+    assert "<img>" + "<IMG_CONTEXT>" * 12 + "</img>What colour" in tokenizer.decode(examples[0]["input_ids"])
+    trained = [t for t, label in zip(examples[1]["input_ids"], examples[1]["labels"]) if label != -100]
+    assert tokenizer.decode(trained) == "Yes.<|im_end|>"
+    stock = GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, max_patches=4, image_mean=[0.485, 0.456, 0.406],
+                                     image_std=[0.229, 0.224, 0.225])(images=[Image.open(wide)], crop_to_patches=True)
+    batch = ROW_FORMAT.collate(examples, pad_token_id=tokenizer.pad_token_id)
+    assert batch["pixel_values"].shape == (4, 3, 56, 56) and "image_grid_thw" not in batch
+    assert torch.equal(batch["pixel_values"][:3], torch.as_tensor(np.asarray(stock["pixel_values"])))
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    assert torch.isfinite(model(**batch).loss)

@@ -17,7 +17,7 @@ from twinkle_core.families import (
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SPEC_FAMILIES = {"qwen3_5", "qwen3", "qwen2_5", "deepseek_v4", "deepseek_r1", "llama3", "mistral", "yi", "glm4", "internlm2_5",
-                 "qwen3_embedding", "bert_embedding", "gte", "qwen2_5_vl"}
+                 "qwen3_embedding", "bert_embedding", "gte", "qwen2_5_vl", "internvl2_5"}
 
 
 def test_every_family_of_the_specification_is_registered():
@@ -35,7 +35,7 @@ def test_readme_table_is_generated_from_the_registry():
     ("ms://mistralai/Mistral-7B-v0.3", "mistral"), ("hf://01-ai/Yi-1.5-34B", "yi"),
     ("hf://THUDM/glm-4-9b-chat", "glm4"), ("ms://internlm/internlm2_5-7b-chat", "internlm2_5"),
     ("hf://Qwen/Qwen3-8B", "qwen3"), ("ms://Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3"),
-    ("ms://Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl"),
+    ("ms://Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl"), ("hf://OpenGVLab/InternVL3-1B-hf", "internvl2_5"),
 ])
 def test_hub_ids_name_their_family_before_download(model_id, family):
     assert check_model_id(model_id).name == family

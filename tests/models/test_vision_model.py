@@ -85,3 +85,20 @@ def test_the_image_reaches_the_loss_and_freezing_everything_is_refused(model_dir
     with pytest.raises(ValueError, match="nothing would train"):
         TransformersModel(str(model_dir), mixed_precision="no", objective="vision_lm",
                           objective_options={"freeze_llm": True})
+
+
+def test_internvl_lora_stays_on_its_language_model_and_trains(rows, tmp_path):
+    from vision_models import save_tiny_internvl
+
+    model = TransformersModel(str(save_tiny_internvl(tmp_path / "internvl")), mixed_precision="no",
+                              objective="vision_lm")
+    assert model.family.name == "internvl2_5"
+    model.add_adapter_to_model("default", LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    parts = {model.family.vision.part_of(name.replace("base_model.model.", "").rsplit(".lora_A", 1)[0])
+             for name, _ in model.model.named_modules() if name.endswith("lora_A")}
+    assert parts == {"language_model"}
+    projector = _weights(model, "aligner")
+    model.set_optimizer("AdamW", lr=1e-2)
+    losses = _train(model, rows, 4)
+    assert losses[-1] < losses[0], losses
+    assert all(torch.equal(projector[n], p) for n, p in _weights(model, "aligner").items())

@@ -105,3 +105,13 @@ register_family(ModelFamily(
           "needs torchvision, so images go through transformers' PIL image processor and video frames "
           "(PyAV) through our patchify",
 ))
+register_family(ModelFamily(
+    name="internvl2_5", title="InternVL 2.5", model_ids="OpenGVLab/InternVL2_5-8B (transformers-native `-hf` form)",
+    model_types=("internvl",), id_pattern=r"^opengvlab/internvl(2_5|3)-[^/]*-hf$", chat_template="chatml",
+    end_of_turn=CHATML_END, tools=False,
+    vision=VisionParts(vision_tower=("model.vision_tower",), aligner=("model.multi_modal_projector",),
+                       language_model=("model.language_model", "lm_head")),
+    notes="images as tiles of the model's size (transformers' GotOcr2 PIL image processor, up to max_patches "
+          "tiles plus a thumbnail); transformers' native `internvl` checkpoints. The original remote-code "
+          "checkpoints (InternVL2_5-8B) are not converted yet",
+))

@@ -1,0 +1,109 @@
+"""The Qwen2-VL / Qwen2.5-VL processor: transformers' PIL image processor and our video patchify.
+
+The stock `Qwen2_5_VLProcessor` cannot be built without torchvision (its video processor needs it), so
+images go through `Qwen2VLImageProcessorPil` (the checkpoint's resize, rescale and normalisation) and decoded
+video frames through the same resize and normalisation, then `patchify_frames`, which lays them out as the
+stock video processor does: frames in groups of `temporal_patch_size`, each merge window's patches adjacent.
+A medium stands for `<|vision_start|>`, one pad token per merged patch, `<|vision_end|>`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .vision_encode import IMAGE, VIDEO, MediaInputs, MediaOptions, read_preprocessor_config, register_vision_processor
+
+QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def patchify_frames(clip: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[np.ndarray, list[int]]:
+    """[T, C, H, W] frames (T a multiple of `temporal`) -> patches [t*h*w, C*temporal*patch*patch], [t, h, w]."""
+    frames, channels, height, width = clip.shape
+    grid_t, grid_h, grid_w = frames // temporal, height // patch, width // patch
+    patches = clip.reshape(grid_t, temporal, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
+    patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return patches.reshape(grid_t * grid_h * grid_w, channels * temporal * patch * patch), [grid_t, grid_h, grid_w]
+
+
+class QwenVisionProcessor:
+    """Tokenizer + PIL image processor of a Qwen2(.5)-VL checkpoint."""
+
+    extra_keys = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+
+    def __init__(self, tokenizer, image_processor):
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.tokens = {IMAGE: "<|image_pad|>", VIDEO: "<|video_pad|>"}
+        self.start, self.end = "<|vision_start|>", "<|vision_end|>"
+        missing = [t for t in (*self.tokens.values(), self.start, self.end)
+                   if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+        if missing:
+            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no token(s) {missing}; a Qwen-VL tokenizer "
+                             "carries them as special tokens")
+        self.token_ids = {kind: tokenizer.convert_tokens_to_ids(token) for kind, token in self.tokens.items()}
+
+    @property
+    def merge(self) -> int:
+        return self.image_processor.merge_size
+
+    def _size(self, options: MediaOptions) -> dict:
+        size = dict(self.image_processor.size)
+        if options.min_pixels is not None:
+            size["shortest_edge"] = options.min_pixels
+        if options.max_pixels is not None:
+            size["longest_edge"] = options.max_pixels
+        return size
+
+    def _text(self, kind: int, grid) -> str:
+        return self.start + self.tokens[kind] * (int(np.prod(grid)) // self.merge ** 2) + self.end
+
+    def images(self, images: list, options: MediaOptions) -> MediaInputs:
+        """Patches [sum of t*h*w, C*T*P*P] of PIL images, with their grids."""
+        out = self.image_processor(images=images, size=self._size(options))
+        grids = np.asarray(out["image_grid_thw"], dtype=np.int64).tolist()
+        return MediaInputs(np.asarray(out["pixel_values"], dtype=np.float32), [int(np.prod(g)) for g in grids],
+                           [self._text(IMAGE, g) for g in grids], {"image_grid_thw": grids})
+
+    def videos(self, videos: list, options: MediaOptions) -> MediaInputs:
+        patches, grids, seconds = [], [], []
+        for video in videos:
+            pixels, grid = self.frames(video.frames, options)
+            patches.append(pixels)
+            grids.append(grid)
+            seconds.append(self.image_processor.temporal_patch_size / video.sampled_fps)
+        return MediaInputs(np.concatenate(patches), [int(np.prod(g)) for g in grids],
+                           [self._text(VIDEO, g) for g in grids], {"video_grid_thw": grids, "second_per_grid_ts": seconds})
+
+    def frames(self, frames: np.ndarray, options: MediaOptions) -> tuple[np.ndarray, list[int]]:
+        """Patches and grid of one video's frames [T, H, W, 3], in the stock video processor's layout."""
+        from transformers.image_utils import SizeDict
+
+        proc = self.image_processor
+        patch, temporal = proc.patch_size, proc.temporal_patch_size
+        size = SizeDict(**self._size(options))
+        prepared = []
+        for frame in frames:
+            image = proc.resize(proc.process_image(frame), size=size, resample=proc.resample, factor=patch * self.merge)
+            image = proc.normalize(proc.rescale(image, proc.rescale_factor), proc.image_mean, proc.image_std)
+            prepared.append(np.asarray(image, dtype=np.float32))
+        clip = np.stack(prepared)  # [T, C, H, W]
+        if len(clip) % temporal:  # the last group is filled with copies of the last frame
+            clip = np.concatenate([clip, np.repeat(clip[-1:], temporal - len(clip) % temporal, axis=0)])
+        return patchify_frames(clip, patch, self.merge, temporal)
+
+
+def load_qwen_vision_processor(tokenizer, model_dir: Path, config: dict) -> QwenVisionProcessor:
+    """Its preprocessor_config.json, else the config's vision settings with the image processor's defaults."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    vision = config.get("vision_config") or {}
+    settings = {key: vision[key] for key in ("patch_size", "temporal_patch_size") if key in vision}
+    if "spatial_merge_size" in vision:
+        settings["merge_size"] = vision["spatial_merge_size"]
+    settings.update(read_preprocessor_config(model_dir, (
+        "patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "image_mean", "image_std", "size")))
+    return QwenVisionProcessor(tokenizer, Qwen2VLImageProcessorPil(**settings))
+
+
+register_vision_processor(QWEN_VL_TYPES, load_qwen_vision_processor)

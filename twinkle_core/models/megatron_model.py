@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -369,6 +370,8 @@ class MegatronModel:
 
         batch = to_batch(inputs, self.tokenizer, self.device, self.max_length)
         pad = self.layout.tp if self.layout.sequence_parallel else 1
+        if self.precision.mode is MixedPrecision.fp8:  # TE's fp8 GEMMs take token counts in multiples of 16
+            pad = math.lcm(pad, 16)
         return split_micro_batches(batch, self.micro_batch_size, pad_multiple=pad, allow_ragged=self.layout.pp == 1,
                                    packed_documents=self.transformer_impl == "transformer_engine",
                                    cp_size=self.layout.cp, cp_rank=ps.get_context_parallel_rank())

@@ -198,3 +198,25 @@ def test_the_prepared_gpu_script_parses_its_arguments():
 @pytest.mark.skipif(transformer_engine_problem() is not None, reason="needs CUDA and Transformer Engine")
 def test_on_a_gpu_the_default_is_transformer_engine():  # not counted as verification on CPU machines
     assert resolve_transformer_impl(None) == "transformer_engine"
+
+
+def test_the_prepared_gpu_script_prints_its_table_and_checks():
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_megatron import table
+
+    def case(name, tokens_per_s, loss):
+        return {"case": name, "tokens_per_s": tokens_per_s, "mfu": tokens_per_s / 1e5, "peak_memory_gb": 30.0,
+                "loss": loss}
+
+    results = [case("local-bf16", 20000, 5.0), case("te-bf16", 50000, 5.05), case("te-fp8-delayed", 60000, 5.2),
+               {"case": "te-fp8-tensorwise", "error": "exit 1: no TE"}]
+    transformers = {"rows": [{"precision": "bf16", "tokens_per_s": 25000, "mfu_vs_bf16_peak": 0.2,
+                              "peak_memory_gb": 40.0, "final_loss": 5.01}]}
+    round_trip = {"exact": True, "tensors": 100, "fused_norm_params": 18, "unequal": [], "missing": [], "extra": []}
+    text = "\n".join(table(results, transformers, round_trip))
+    assert "te-fp8-tensorwise    not run: exit 1: no TE" in text
+    assert "check losses within 2% of local-bf16: FAIL (largest: te-fp8-delayed, 4.00%)" in text
+    assert "check TE bf16 MFU >= 45%: PASS (50.0%)" in text
+    assert "check te-fp8-delayed faster than te-bf16: PASS (1.20x)" in text
+    assert "megatron te-bf16 / transformers bf16 tokens/s: 2.00x" in text
+    assert "check HF -> Megatron(TE) -> HF exact: PASS (100 tensors, 18 TE fused-norm parameters" in text

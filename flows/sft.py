@@ -4,6 +4,7 @@
     python -m flows.sft --backend megatron --nproc-per-node 2 --tp-size 2    # on megatron-core
     python -m flows.sft --help               # every option
     python -m flows.sft --config run.yaml --lr 1e-4
+    python -m flows.sft --model-id ms://Qwen/Qwen2.5-VL-7B-Instruct --dataset chats_with_images.jsonl   # a VLM
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ from tasks.train import train
 from twinkle_core.config.fields import (AdapterFields, BackendFields, CheckpointFields, DataParallelFields, DatasetId,
                                         DataSourceFields, EvalDatasetId, EvalFields, ExperimentName, LoopFields,
                                         MachinesFields, ModelParallelFields, OptimizerFields, PackedChatDataFields,
-                                        ProcessFields, RegisteredModelName, RouterAuxLossCoef, RunFields)
+                                        ProcessFields, RegisteredModelName, RouterAuxLossCoef, RunFields, VisionFields)
+from twinkle_core.data import get_row_format
+from twinkle_core.families import family_before_download
 from twinkle_core.objectives import get_objective
 from twinkle_core.tracking import tracking_uri
 from twinkle_core.train import TrainRunConfig
@@ -40,8 +43,8 @@ DEFAULT_EVAL_DATASET = "pkg://twinkle_core/datasets/self_cognition/heldout.jsonl
 
 
 class SFTConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
-                OptimizerFields, LoopFields, CheckpointFields, AdapterFields, PackedChatDataFields, BackendFields, DataSourceFields,
-                TrainingFlowConfig):
+                OptimizerFields, LoopFields, CheckpointFields, AdapterFields, VisionFields, PackedChatDataFields, BackendFields,
+                DataSourceFields, TrainingFlowConfig):
     """Parameters of the sft flow (the Prefect UI form and the CLI options; groups listed last-first)."""
 
     kind: ClassVar[str] = "sft"
@@ -52,12 +55,29 @@ class SFTConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, 
     registered_model_name: RegisteredModelName = None
     experiment_name: ExperimentName = "twinkle-sft"
 
+    @property
+    def objective(self) -> str:
+        """vision_lm for a vision-language model (rows with images and videos), causal_lm otherwise."""
+        family = family_before_download(self.model_id)
+        return "vision_lm" if family is not None and family.is_vision else "causal_lm"
+
+    def objective_options(self) -> dict:
+        return VisionFields.objective_options(self) if self.objective == "vision_lm" else {}
+
+    def problems(self, model_config) -> list[str]:
+        kind = get_objective(self.objective).row_kind
+        if self.packing and not get_row_format(kind).packable:
+            return [f"packing=True: {kind} rows are not packed yet (each image's 3-D positions would have to "
+                    "restart per sample); set packing=false"]
+        return []
+
     def model_name(self) -> str:
         return self.registered_model_name or default_model_name(self.model_id)
 
     def run_config(self, model: ModelRef, train_data: str, checkpoint_dir: Path, run_id: str) -> TrainRunConfig:
         given = dict(model_path=model.path, **model.ref_options(), train_data=train_data, checkpoint_dir=checkpoint_dir,
-                     parallel=self.parallel(), objective=self.objective, mlflow_run_id=run_id,
+                     parallel=self.parallel(), objective=self.objective, objective_options=self.objective_options(),
+                     mlflow_run_id=run_id,
                      tracking_uri=tracking_uri())
         shared = (set(TrainRunConfig.model_fields) & set(SFTConfig.model_fields)) - set(given)
         return TrainRunConfig(**self.model_dump(include=shared), **given)
@@ -70,12 +90,13 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
     model = download_model(config.model_id, **config.model_options())
     config.check_model(model)  # model-dependent rules (tp_size vs the heads, ...) before anything else runs
     train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)
-    kind = get_objective(config.objective).row_kind
+    objective = get_objective(config.objective)
+    kind, media = objective.row_kind, objective.encode_options(config.objective_options()) or None
     train_data = tokenize(train_file, model, config.max_length, config.packing, config.max_bad_fraction,
-                          config.enable_thinking, kind)
+                          config.enable_thinking, kind, media)
     eval_data = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction, config.enable_thinking,
-                         kind)
-    prompts = sample_prompts(eval_file, config.eval_prompts)
+                         kind, media)
+    prompts = sample_prompts(eval_file, config.eval_prompts, kind)
     hf_model = model  # evaluation loads the trained adapter or model with transformers
     model = convert(model, config.backend, config.tp_size, config.pp_size, config.timeout_minutes * 60)
     with TrackedRun(config, run_dir, "sft") as tracked:
@@ -85,7 +106,8 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
         if checkpoint is None:  # a multi-machine run: the machine with global rank 0 evaluates and registers
             return handed_off(tracked.run_id, model.family)
         reports = evaluate(hf_model, checkpoint, eval_data, prompts, str(run_dir), config.mixed_precision,
-                           config.max_new_tokens, tracked.run_id)
+                           config.max_new_tokens, tracked.run_id, objective=config.objective,
+                           objective_options=config.objective_options())
         registration = register(checkpoint, config.model_name(), tracked.run_id, reports["trained"]["eval_loss"],
                                 tracked.tags, base=hf_model, dataset=train_file, register_as=config.register_as)
     run_id, links = tracked.run_id, tracked.links

@@ -6,12 +6,13 @@ from typing import Any
 import torch
 
 from tasks.refs import CheckpointRef, TokenizedRef
+from twinkle_core.data.vision_rows import content_text
 from twinkle_core.families import get_family
 from twinkle_core.precision import auto_precision
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split()) or "(empty)"
+def _one_line(text: str | list) -> str:
+    return " ".join(content_text(text).split()) or "(empty)"  # a content list: its text, media as [image]
 
 
 def _settings(config: Any) -> str:

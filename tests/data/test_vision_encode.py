@@ -174,3 +174,19 @@ def test_internvl_images_become_tiles_and_context_tokens(tmp_path):
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir)
     assert torch.isfinite(model(**batch).loss)
+
+
+def test_held_out_rows_become_image_prompts_for_generation(tmp_path, processor):
+    from twinkle_core.data.vision_rows import content_list_messages, content_text
+
+    write_image(tmp_path / "red.png")
+    row = _row(tmp_path, "Look: <image>What colour?", images=["red.png"])
+    prompt = content_list_messages(row)[:1]
+    red = str((tmp_path / "red.png").resolve())
+    assert prompt == [{"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image", "image": red},
+                                                   {"type": "text", "text": "What colour?"}]}]
+    assert content_text(prompt[0]["content"]) == "Look: [image] What colour?"
+    example = ROW_FORMAT.prompt(processor, prompt)
+    text = processor.tokenizer.decode(example["input_ids"])
+    assert text.endswith("<|vision_end|>What colour?<|im_end|>\n<|im_start|>assistant\n")
+    assert example["mm_token_type_ids"].count(1) == 4 and example["image_grid_thw"] == [[1, 4, 4]]

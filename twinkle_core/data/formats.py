@@ -15,7 +15,7 @@ from twinkle_core.config.registry import Registry
 from . import pairs, preference, prompts
 from .vision_collate import BATCH_KEYS as VISION_BATCH_KEYS
 from .vision_collate import collate_vision, truncate_vision
-from .vision_encode import encode_vision_row, load_vision_processor
+from .vision_encode import encode_vision_prompt, encode_vision_row, load_vision_processor
 from .vision_rows import validate_vision_row
 from .collate import collate
 from .encode import count_trained_tokens, encode_chat, encode_text, truncate
@@ -52,6 +52,8 @@ class RowFormat:
     reads_files: bool = False
     # (tokenizer, model_dir) -> what encode() takes in the tokenizer's place (a VLM's processor); None: the tokenizer
     encoder: Callable[[Any, Path], Any] | None = None
+    # (encoder, messages, **encode options) -> an example of a prompt for generation; None: chat text only
+    prompt: Callable[..., dict] | None = None
 
     def check(self, row: Any, folder: Path | None = None) -> dict:
         """The validated row; `folder` is where the row's data file lies (None: the working directory)."""
@@ -105,5 +107,5 @@ register_row_format(RowFormat(
     batch_keys=prompts.BATCH_KEYS, packable=False))
 register_row_format(RowFormat(
     "vision_chat", validate_vision_row, encode_vision_row, truncate=truncate_vision, collate=collate_vision,
-    batch_keys=VISION_BATCH_KEYS, reads_files=True, encoder=load_vision_processor,
+    batch_keys=VISION_BATCH_KEYS, reads_files=True, encoder=load_vision_processor, prompt=encode_vision_prompt,
     packable=False))  # packing would need each sample's mrope positions restarted: not built yet

@@ -103,9 +103,9 @@ def _media(processor, row: dict, media: MediaOptions) -> dict[int, MediaInputs]:
     return found
 
 
-def encode_vision_row(processor, row: dict, enable_thinking: bool = True, **options) -> dict:
-    """Token ids, labels (assistant replies only), mm_token_type_ids, and per medium its flat pixel rows,
-    the rows of each medium, their trailing shape, and the processor's extras."""
+def _with_media(processor, row: dict, options: dict) -> tuple[list[dict], dict, dict[int, MediaInputs]]:
+    """The row's messages with each placeholder replaced by its medium's tokens, the example's media keys,
+    and the media."""
     found = _media(processor, row, MediaOptions(**options))
     # Every example has every key (empty without that medium): the tokenised cache stores one column per key.
     example: dict = {key: [] for keys in MEDIA_KEYS.values() for key in keys}
@@ -116,12 +116,39 @@ def encode_vision_row(processor, row: dict, enable_thinking: bool = True, **opti
         messages = _fill_placeholders(messages, PLACEHOLDERS["image" if kind == IMAGE else "video"], inputs.texts)
         example.update({pixels_key: inputs.pixels.reshape(-1).tolist(), rows_key: inputs.rows,
                         shape_key: list(inputs.pixels.shape[1:]), **inputs.extras})
-    encoded = encode_chat(processor.tokenizer, messages, tools=row.get("tools"), enable_thinking=enable_thinking)
+    return messages, example, found
+
+
+def _token_types(processor, ids: list[int], found: dict[int, MediaInputs]) -> list[int]:
+    """mm_token_type_ids of `ids`, checked against the media tokens the media need."""
     token_kind = {processor.token_ids[kind]: kind for kind in processor.tokens}
-    types = [token_kind.get(token, TEXT) for token in encoded["input_ids"]]
+    types = [token_kind.get(token, TEXT) for token in ids]
     for kind, token in processor.tokens.items():
         expected = sum(text.count(token) for text in found[kind].texts) if kind in found else 0
         if types.count(kind) != expected:  # e.g. a user who typed the model's media token into the text
             raise RowError(f"the rendered row holds {types.count(kind)} {token} tokens where its media need "
                            f"{expected}; a message's text contains the model's own media tokens")
-    return {**encoded, "mm_token_type_ids": types, **example}
+    return types
+
+
+def encode_vision_row(processor, row: dict, enable_thinking: bool = True, **options) -> dict:
+    """Token ids, labels (assistant replies only), mm_token_type_ids, and per medium its flat pixel rows,
+    the rows of each medium, their trailing shape, and the processor's extras."""
+    messages, example, found = _with_media(processor, row, options)
+    encoded = encode_chat(processor.tokenizer, messages, tools=row.get("tools"), enable_thinking=enable_thinking)
+    return {**encoded, "mm_token_type_ids": _token_types(processor, encoded["input_ids"], found), **example}
+
+
+def encode_vision_prompt(processor, messages: list[dict], enable_thinking: bool = True, **options) -> dict:
+    """An example of a conversation that ends with a user turn, up to the assistant header, for generation
+    (its labels are its ids; nothing trains on them). Media references are absolute, pkg:// or base64."""
+    from .templates import render_chat
+    from .vision_rows import validate_vision_row
+
+    # Validated as a chat with a stand-in reply, so a prompt without assistant turns passes.
+    row = validate_vision_row({"messages": list(messages) + [{"role": "assistant", "content": "-"}]})
+    row["messages"] = row["messages"][:-1]
+    prompt, example, found = _with_media(processor, row, options)
+    text = render_chat(processor.tokenizer, prompt, add_generation_prompt=True, enable_thinking=enable_thinking)
+    ids = list(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return {"input_ids": ids, "labels": ids, "mm_token_type_ids": _token_types(processor, ids, found), **example}

@@ -13,6 +13,7 @@ open, makes the row bad; so does a placeholder in an assistant turn (replies are
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +108,33 @@ def validate_vision_row(row: Any, folder: Path | None = None) -> dict:
         check_video(ref, f"videos[{index}]")
     normalised.update(media)
     return normalised
+
+
+def content_list_messages(row: dict) -> list[dict]:
+    """A normalised row's messages in the transformers content-list layout, each placeholder a part that
+    names its (located) medium: a conversation that carries its own media, e.g. a prompt for generation."""
+    pending = {kind: iter(row.get(key) or []) for kind, key in MEDIA_KEYS.items()}
+    split = re.compile("(" + "|".join(re.escape(p) for p in PLACEHOLDERS.values()) + ")")
+    kinds = {placeholder: kind for kind, placeholder in PLACEHOLDERS.items()}
+    messages = []
+    for message in row["messages"]:
+        content = message.get("content")
+        if not isinstance(content, str) or not split.search(content):
+            messages.append(message)
+            continue
+        parts = []
+        for piece in split.split(content):
+            if piece in kinds:
+                parts.append({"type": kinds[piece], kinds[piece]: next(pending[kinds[piece]])})
+            elif piece:
+                parts.append({"type": "text", "text": piece})
+        messages.append({**message, "content": parts})
+    return messages
+
+
+def content_text(content) -> str:
+    """A message's content as text: a content list's text parts, its media shown as [image] / [video]."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") if part.get("type") == "text" else f"[{part.get('type')}] "
+                       for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""

@@ -6,6 +6,7 @@ from twinkle_core.families.registry import (
     UnsupportedModelError,
     check_model_id,
     families,
+    family_before_download,
     family_for_model_dir,
     family_for_model_id,
     family_for_model_type,
@@ -17,7 +18,7 @@ from twinkle_core.families.registry import (
 from twinkle_core.families.table import render_families_table, update_readme
 
 __all__ = [
-    "ModelFamily", "UnsupportedModelError", "check_model_id", "families", "family_for_model_dir", "family_for_model_id",
+    "ModelFamily", "UnsupportedModelError", "check_model_id", "families", "family_before_download", "family_for_model_dir", "family_for_model_id",
     "family_for_model_type", "get_family", "register_family", "remote_code_of", "render_families_table",
     "untested_family", "update_readme", "UNTESTED_PREFIX",
 ]

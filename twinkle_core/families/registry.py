@@ -207,6 +207,20 @@ def remote_code_of(config: dict) -> str | None:
     return ", ".join(f"{name}: {target}" for name, target in sorted(auto_map.items()))
 
 
+def family_before_download(model_id: str) -> ModelFamily | None:
+    """The family a model id names before anything is downloaded: a hub id by its name, a local directory by
+    its config.json; None when it cannot be told (a GGUF file, a remote-code model, an id of no family)."""
+    if model_id.startswith(("ms://", "hf://")):
+        return family_for_model_id(model_id)
+    path = Path(model_id.removeprefix("file://")).expanduser()
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        return family_for_model_dir(path, model_id)
+    except (UnsupportedModelError, ValueError):
+        return None
+
+
 # Ids of model kinds the specification lists for later releases: fail early with a clear message.
 _NOT_YET = (
     (re.compile(r"-vl-|-vl$|internvl", re.IGNORECASE), "vision-language models"),

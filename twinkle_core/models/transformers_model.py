@@ -44,6 +44,7 @@ from twinkle_core.models.stepper import (Stepper, build_optimizer, check_accumul
 from twinkle_core.models.training_state import load_training_state, save_training_state
 from twinkle_core.objectives import get_objective
 from twinkle_core.objectives.causal_lm import resolve_router_aux_loss_coef
+from twinkle_core.objectives.vision import accepted_inputs
 from twinkle_core.parallel import DeviceMesh, build_strategy, close_distributed, is_main_process, parse_strategy
 from twinkle_core.parallel.mesh import validate_mesh_sizes
 from twinkle_core.parallel.process_group import barrier
@@ -293,9 +294,8 @@ class TransformersModel:
     # ----- inference -------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, messages: list[dict], max_new_tokens: int = 48) -> str:
-        """Greedy answer to one conversation, rendered with the model's chat template."""
-        from twinkle_core.data import encode_prompt
-
+        """Greedy answer to one conversation, rendered with the model's chat template (a vision model's user
+        turns may carry images as content parts with absolute paths)."""
         if self.parallel.is_sharded and self._runner is not None:
             raise RuntimeError(f"generate needs the whole model, but it is sharded over {self.mesh.size()} processes "
                                f"({self.parallel.name}); save() it and generate in one process.")
@@ -303,13 +303,26 @@ class TransformersModel:
             raise RuntimeError(f"generate: attention is split over the sp_size={self.sequence.size} ranks for "
                                "training; save() the model and generate in one process.")
         self.model.eval()
-        ids = torch.tensor([encode_prompt(self.tokenizer, messages)], device=self.device)
+        inputs = self._prompt_inputs(messages)
+        ids = inputs["input_ids"]
         with self.precision.autocast(self.device.type):
             out = self.model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                **inputs, max_new_tokens=max_new_tokens,
                 do_sample=False, pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
             )
         return self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+    def _prompt_inputs(self, messages: list[dict]) -> dict[str, torch.Tensor]:
+        """The model inputs of one prompt: its token ids, and for a vision model its media as well."""
+        from twinkle_core.data import encode_prompt
+
+        row_format = get_row_format(self.objective.row_kind)
+        if row_format.prompt is None:
+            ids = torch.tensor([encode_prompt(self.tokenizer, messages)], device=self.device)
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        example = row_format.prompt(self.encoder, messages, **self.objective.encode_options(self.objective_options))
+        batch = accepted_inputs(self.model, row_format.collate([example], pad_token_id=self.tokenizer.pad_token_id or 0))
+        return {key: value.to(self.device) for key, value in batch.items() if key != "labels"}
 
     def whole_weights(self):
         """A block in which this rank holds the whole model (FSDP gathers it once; nothing to do otherwise),

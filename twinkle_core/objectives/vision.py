@@ -11,6 +11,7 @@ and max_frames go to the row encoder.
 """
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -38,9 +39,17 @@ def _encode_options(options: dict) -> dict:
     return {name: options[name] for name in MEDIA_OPTIONS if options.get(name) is not None}
 
 
+def accepted_inputs(model: torch.nn.Module, batch: dict) -> dict:
+    """The batch entries the model's forward names, and the labels: InternVL takes no mm_token_type_ids (its
+    generate refuses unknown keys), Qwen's must get them."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = inspect.signature(base.forward).parameters
+    return {key: value for key, value in batch.items() if key in names or key in ("labels", "shift_labels")}
+
+
 def vision_lm_loss_sum(model, batch, router_aux_loss_coef=None, group=None, **options):
     """The causal-LM loss of a multimodal batch; the options (freezing, media sizes) acted before it."""
-    return causal_lm_loss_sum(model, batch, router_aux_loss_coef, group)
+    return causal_lm_loss_sum(model, accepted_inputs(model, batch), router_aux_loss_coef, group)
 
 
 def freeze_parts(model: torch.nn.Module, family, options: dict) -> tuple[str, ...]:

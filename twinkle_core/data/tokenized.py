@@ -190,7 +190,17 @@ def read_meta(path: str | Path) -> TokenizedDataset:
 
 
 def load_tokenized(path: str | Path | TokenizedDataset) -> list[dict]:
-    """The stored rows as dicts of int lists (input_ids, labels, and position_ids when packed)."""
+    """The stored rows as dicts of int lists (input_ids, labels, and position_ids when packed); float lists (a
+    vision row's pixel patches) as float32 numpy arrays, which load several times faster than Python floats."""
     if isinstance(path, TokenizedDataset):
         path = path.path
-    return pq.read_table(Path(path) / "data.parquet").to_pylist()
+    table = pq.read_table(Path(path) / "data.parquet")
+    floats = [field.name for field in table.schema
+              if pa.types.is_list(field.type) and pa.types.is_floating(field.type.value_type)]
+    rows = table.drop(floats).to_pylist() if floats else table.to_pylist()
+    for name in floats:
+        column = table.column(name).combine_chunks()
+        offsets, values = column.offsets.to_numpy(), column.values.to_numpy()
+        for row, start, end in zip(rows, offsets[:-1], offsets[1:]):
+            row[name] = values[start:end]
+    return rows

@@ -33,6 +33,8 @@ def test_both_layouts_and_every_reference_kind_normalise_to_one_row(tmp_path):
             _swift(["pkg://matplotlib/mpl-data/images/home.png"])]
     loaded = load_rows(_write(tmp_path / "vl.jsonl", rows), "vision_chat")
     assert loaded.bad == []
+    as_bytes = get_row_format("vision_chat").check(_swift([{"bytes": red.read_bytes(), "path": None}]))
+    assert as_bytes["images"] == ["data:application/octet-stream;base64," + base64.b64encode(red.read_bytes()).decode()]
     first = loaded.rows[0]
     assert first == {"messages": [QUESTION, ANSWER], "images": [str(red.resolve())], "videos": []}
     assert loaded.rows[1] == first and loaded.rows[2] == first  # content list and absolute path: the same row

@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import RowError
 
-DATA_URL = re.compile(r"^data:(image|video)/[\w.+-]+;base64,", re.IGNORECASE)
+DATA_URL = re.compile(r"^data:[\w.+-]+/[\w.+-]+;base64,", re.IGNORECASE)
 _BASE64 = re.compile(r"^[A-Za-z0-9+/\s]+={0,2}$")
 BARE_BASE64_MIN = 128  # shorter strings are paths: no image fits in fewer base64 characters
 

@@ -13,6 +13,7 @@ open, makes the row bad; so does a placeholder in an assistant turn (replies are
 """
 from __future__ import annotations
 
+import base64
 import re
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from .validate import validate_chat_row
 
 PLACEHOLDERS = {"image": "<image>", "video": "<video>"}
 MEDIA_KEYS = {"image": "images", "video": "videos"}
+BYTES_URL = "data:application/octet-stream;base64,"  # raw bytes: the decoder finds the format itself
 _PART_KEYS = {"image": ("image", "url", "path", "image_url"), "video": ("video", "url", "path", "video_url")}
 
 
@@ -63,8 +65,9 @@ def _media_list(row: dict, key: str) -> list:
         return [value]
     if not isinstance(value, list):
         raise RowError(f"'{key}' is {type(value).__name__}, expected a list of paths or base64 strings")
-    # ms-swift also writes {"path": ...} or {"bytes": ...} objects (datasets' Image feature).
-    return [item.get("path") or item.get("bytes") if isinstance(item, dict) else item for item in value]
+    # ms-swift also writes {"path": ...} or {"bytes": ...} objects (datasets' Image feature, e.g. in parquet).
+    items = [item.get("bytes") or item.get("path") if isinstance(item, dict) else item for item in value]
+    return [BYTES_URL + base64.b64encode(item).decode() if isinstance(item, bytes) else item for item in items]
 
 
 def _flatten_messages(row: dict) -> tuple[list[dict], dict[str, list]]:

@@ -10,7 +10,11 @@ from twinkle_core.families import get_family
 from twinkle_core.models import TransformersModel
 from twinkle_core.tracking import tracking_uri
 
-LORA_CASES = [(family, variant, True) for family, variants in FAMILY_VARIANTS.items() for variant in variants]
+# One LoRA run per family and variant, except Qwen3's MoE: its template and detection are the dense run's, its
+# router loss is proven through the flow by Qwen3.5's MoE, and tests/models/test_families_train.py trains it
+# (LoRA and full). Each flow run costs ~40 s of the suite's 30 minutes.
+LORA_CASES = [(family, variant, True) for family, variants in FAMILY_VARIANTS.items() for variant in variants
+              if (family, variant) != ("qwen3", "moe")]
 # Full fine-tuning through the flow for the two checkpoints whose full save/reload is unusual (a VLM wrapper,
 # DeepSeek V4's own layout); tests/models/test_families_train.py trains the others in full without the flow.
 FULL_CASES = [("qwen3_5", "moe", False), ("deepseek_v4", "moe", False)]

@@ -10,7 +10,7 @@ from peft import PeftModel
 
 from registered_models import ANSWER, QUESTION, register_checkpoint
 from twinkle_core.tracking.chat_model import chat_reply, load_chat_parts, prompt_ids
-from twinkle_core.tracking.model_logging import BASE_EXPERIMENT
+from twinkle_core.tracking.model_logging import BASE_EXPERIMENT, BaseModelRef
 from twinkle_core.tracking.registered import RegisteredModelNotFound, load_registered
 
 
@@ -82,3 +82,11 @@ def test_unknown_name_or_alias_is_one_clear_error(store):
         load_registered("nope", "champion")
     with pytest.raises(RegisteredModelNotFound, match=r"'tiny-chat' has no alias or version 'best'.*champion=1"):
         load_registered("tiny-chat", "best")
+
+
+def test_a_base_revision_is_the_hub_revision_or_the_package_version():
+    from importlib.metadata import version
+
+    assert BaseModelRef("hf://org/model@v2", "/any", "h").revision() == "v2"
+    assert BaseModelRef("pkg://mlflow/some/model.gguf", "/any", "h").revision() == f"mlflow=={version('mlflow')}"
+    assert BaseModelRef("./local/model", "./local/model", "h").revision() == ""

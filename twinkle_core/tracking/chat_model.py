@@ -17,14 +17,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import mlflow
 from mlflow.pyfunc import PythonModel
 
-# The signature is given explicitly (model_logging.chat_signature), so MLflow's advice to add type hints is noise.
-warnings.filterwarnings("ignore", message="Add type hints to the `predict` method")
 MODEL_ARTIFACT = "model"
 ADAPTER_CONFIG = "adapter_config.json"
 # Used only when a tokenizer carries no template of its own (the logging side writes the trained one in).

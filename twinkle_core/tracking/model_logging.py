@@ -41,12 +41,24 @@ class BaseModelRef:
         return parse_id(self.model_id).scheme in ("hf", "ms")
 
     def revision(self) -> str:
-        """The id's @revision, else the commit a Hugging Face snapshot folder is named by, else ''."""
+        """The id's @revision, else the commit a Hugging Face snapshot folder is named by, else the version
+        of the distribution a pkg:// id's package comes from, else ''."""
         parsed = parse_id(self.model_id)
         if parsed.revision:
             return parsed.revision
         folder = Path(self.path)
-        return folder.name if parsed.scheme == "hf" and folder.parent.name == "snapshots" else ""
+        if parsed.scheme == "hf" and folder.parent.name == "snapshots":
+            return folder.name
+        if parsed.scheme == "pkg":
+            from importlib.metadata import packages_distributions, version
+
+            package = parsed.name.split("/")[0]
+            distributions = packages_distributions().get(package, [])
+            # several distributions may install into one package (mlflow, mlflow-tracing): prefer its namesake
+            named = [d for d in distributions if d.lower().replace("-", "_") == package.lower()]
+            chosen = (named or sorted(distributions) or [None])[0]
+            return f"{chosen}=={version(chosen)}" if chosen else ""
+        return ""
 
 
 def is_chat_checkpoint(checkpoint_dir: str | Path) -> bool:

@@ -48,6 +48,9 @@ def test_adapter_version_names_its_base_portably_and_logs_it_once(store):
     adapter_config = json.loads(next(Path(local).rglob("adapter_config.json")).read_text())
     assert adapter_config["base_model_name_or_path"] == version.tags["twinkle.base_model_id"]
     assert version.tags["twinkle.kind"] == "adapter" and version.tags["twinkle.base_uri"].startswith("runs:/")
+    # the stored serving example is a valid request body, and the model answers it
+    body = (Path(local) / "serving_input_example.json").read_text()
+    assert mlflow.models.validate_serving_input("models:/tiny-chat@champion", body) == [ANSWER]
     merged = client.get_model_version_by_alias("tiny-chat-merged", "champion")
     assert merged.tags["twinkle.kind"] == "merged" and "twinkle.base_uri" not in merged.tags
 

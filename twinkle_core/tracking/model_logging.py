@@ -100,11 +100,14 @@ def log_chat_model(client: MlflowClient, run_id: str, checkpoint_dir: str | Path
 def save_chat_model(model_dir: Path, target: Path, config: dict[str, str]) -> None:
     """An MLflow pyfunc model folder: MLmodel, the code, the checkpoint, signature, example, requirements."""
     import mlflow.pyfunc
+    import pandas as pd
 
+    # A one-row DataFrame, so the stored serving example is a valid /invocations body (dataframe_split + params).
+    example = pd.DataFrame([{"messages": [{"role": "user", "content": "Who are you?"}]}])
     mlflow.pyfunc.save_model(
         path=str(target), python_model=chat_model.__file__, artifacts={chat_model.MODEL_ARTIFACT: str(model_dir)},
         model_config=config, signature=chat_signature(), pip_requirements=pip_requirements(),
-        input_example=({"messages": [{"role": "user", "content": "Who are you?"}]}, {"max_new_tokens": 32}),
+        input_example=(example, {"max_new_tokens": 32}),
     )
 
 

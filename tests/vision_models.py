@@ -113,3 +113,55 @@ def save_tiny_internvl(directory: Path, seed: int = 0) -> Path:
         "image_processor_type": "GotOcr2ImageProcessor", "size": {"height": TILE, "width": TILE},
         "crop_to_patches": True, "min_patches": 1, "max_patches": 4}))
     return Path(directory)
+
+
+PATCH3 = 16  # Qwen3-VL and Qwen 3.5 checkpoints use 16-pixel patches: a 64x64 image is 4x4 patches, 4 tokens
+PIXELS3 = (64 * 64, 64 * 64)
+
+
+def _qwen3_preprocessor(directory: Path) -> None:
+    (Path(directory) / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": PATCH3, "merge_size": MERGE,
+        "temporal_patch_size": 2, "size": {"shortest_edge": PIXELS3[0], "longest_edge": PIXELS3[1]},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+
+
+def save_tiny_qwen3_vl(directory: Path, seed: int = 0) -> Path:
+    """A Qwen3-VL directory of the real class: 2 text layers (hidden 64, head 16, interleaved M-RoPE), a 1-block
+    vision tower with one DeepStack merger, 16-pixel patches, preprocessor_config.json."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    tokenizer = family_tokenizer("qwen3", get_chat_template("chatml"))
+    tid = tokenizer.convert_tokens_to_ids
+    config = AutoConfig.for_model(
+        "qwen3_vl",
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                         bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"),
+                         pad_token_id=tid("<|endoftext|>"),
+                         rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                          "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=PATCH3, spatial_merge_size=MERGE, temporal_patch_size=2,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0]),
+        image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
+        vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(eos_token_id=[tid("<|im_end|>")], pad_token_id=tid("<|endoftext|>"))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    _qwen3_preprocessor(directory)
+    return Path(directory)
+
+
+def save_tiny_qwen3_5_vl(directory: Path) -> Path:
+    """The tiny top-level `qwen3_5` checkpoint of the Qwen 3.5 family tests (gated-delta-net + gated attention
+    layers, a 1-block vision tower), with a preprocessor_config.json: the Qwen 3.5 VL model of that checkpoint."""
+    from family_models import save_tiny_family_model
+
+    save_tiny_family_model("qwen3_5", directory)
+    _qwen3_preprocessor(directory)
+    return Path(directory)

@@ -17,7 +17,7 @@ from twinkle_core.families import (
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SPEC_FAMILIES = {"qwen3_5", "qwen3", "qwen2_5", "deepseek_v4", "deepseek_r1", "llama3", "mistral", "yi", "glm4", "internlm2_5",
-                 "qwen3_embedding", "bert_embedding", "gte", "qwen2_5_vl", "internvl2_5"}
+                 "qwen3_embedding", "bert_embedding", "gte", "qwen2_5_vl", "internvl2_5", "qwen3_5_vl", "qwen3_vl"}
 
 
 def test_every_family_of_the_specification_is_registered():
@@ -36,9 +36,24 @@ def test_readme_table_is_generated_from_the_registry():
     ("hf://THUDM/glm-4-9b-chat", "glm4"), ("ms://internlm/internlm2_5-7b-chat", "internlm2_5"),
     ("hf://Qwen/Qwen3-8B", "qwen3"), ("ms://Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3"),
     ("ms://Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl"), ("hf://OpenGVLab/InternVL3-1B-hf", "internvl2_5"),
+    ("ms://Qwen/Qwen3.5-VL-3B", "qwen3_5_vl"), ("hf://Qwen/Qwen3-VL-2B-Instruct", "qwen3_vl"),
 ])
 def test_hub_ids_name_their_family_before_download(model_id, family):
     assert check_model_id(model_id).name == family
+
+
+def test_a_qwen3_5_checkpoint_is_the_text_family_unless_a_vision_run_loads_its_vision_tower(tmp_path):
+    import json
+
+    with_tower, text_only = tmp_path / "vl", tmp_path / "text"
+    for folder, config in ((with_tower, {"model_type": "qwen3_5", "vision_config": {"depth": 1}}),
+                           (text_only, {"model_type": "qwen3_5"})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    assert family_for_model_dir(with_tower).name == "qwen3_5"  # AutoModelForCausalLM: the text model
+    assert family_for_model_dir(with_tower, vision=True).name == "qwen3_5_vl"
+    assert family_for_model_dir(text_only, vision=True).name == "qwen3_5"  # no tower to load
+    assert family_for_model_dir(with_tower, "ms://Qwen/Qwen3.5-VL-3B").name == "qwen3_5_vl"
 
 
 def test_ids_that_cannot_be_told_yet_pass_and_later_kinds_fail_early():

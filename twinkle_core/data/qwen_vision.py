@@ -1,4 +1,5 @@
-"""The Qwen2-VL / Qwen2.5-VL processor: transformers' PIL image processor and our video patchify.
+"""The Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen 3.5 processor: transformers' PIL image processor and our
+video patchify.
 
 The stock `Qwen2_5_VLProcessor` cannot be built without torchvision (its video processor needs it), so
 images go through `Qwen2VLImageProcessorPil` (the checkpoint's resize, rescale and normalisation) and decoded
@@ -15,6 +16,7 @@ import numpy as np
 from .vision_encode import IMAGE, VIDEO, MediaInputs, MediaOptions, read_preprocessor_config, register_vision_processor
 
 QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_5")  # transformers 5.24 maps both to Qwen2VLImageProcessorPil too
 
 
 def patchify_frames(clip: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[np.ndarray, list[int]]:
@@ -73,7 +75,12 @@ class QwenVisionProcessor:
             grids.append(grid)
             seconds.append(self.image_processor.temporal_patch_size / video.sampled_fps)
         return MediaInputs(np.concatenate(patches), [int(np.prod(g)) for g in grids],
-                           [self._text(VIDEO, g) for g in grids], {"video_grid_thw": grids, "second_per_grid_ts": seconds})
+                           [self._video_text(g, video) for g, video in zip(grids, videos)],
+                           {"video_grid_thw": grids, "second_per_grid_ts": seconds})
+
+    def _video_text(self, grid: list[int], video) -> str:
+        """Qwen2(.5)-VL: one run of pad tokens for the whole video (its times ride on second_per_grid_ts)."""
+        return self._text(VIDEO, grid)
 
     def frames(self, frames: np.ndarray, options: MediaOptions) -> tuple[np.ndarray, list[int]]:
         """Patches and grid of one video's frames [T, H, W, 3], in the stock video processor's layout."""
@@ -93,6 +100,25 @@ class QwenVisionProcessor:
         return patchify_frames(clip, patch, self.merge, temporal)
 
 
+class Qwen3VisionProcessor(QwenVisionProcessor):
+    """Qwen3-VL and Qwen 3.5 (with its vision tower): the same PIL image processor and patchify (their
+    checkpoints use patch 16), but a video is written frame group by frame group, each behind its timestamp,
+    as the stock `Qwen3VLProcessor` writes it: `<0.5 seconds><|vision_start|><|video_pad|>...<|vision_end|>`.
+    Their rope index splits `video_grid_thw` into one grid per frame group to match. The timestamp of a group
+    is the mean time of its first and last frame, frame i taken at i / sampled_fps (the last group's copies
+    of the last frame count at that frame's time)."""
+
+    def _video_text(self, grid: list[int], video) -> str:
+        temporal, last = self.image_processor.temporal_patch_size, len(video.frames) - 1
+        per_group = grid[1] * grid[2] // self.merge ** 2
+        text = ""
+        for group in range(grid[0]):
+            first, end = group * temporal, min(group * temporal + temporal - 1, last)
+            time = (first + end) / 2 / video.sampled_fps
+            text += f"<{time:.1f} seconds>" + self.start + self.tokens[VIDEO] * per_group + self.end
+        return text
+
+
 def load_qwen_vision_processor(tokenizer, model_dir: Path, config: dict) -> QwenVisionProcessor:
     """Its preprocessor_config.json, else the config's vision settings with the image processor's defaults."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -103,7 +129,8 @@ def load_qwen_vision_processor(tokenizer, model_dir: Path, config: dict) -> Qwen
         settings["merge_size"] = vision["spatial_merge_size"]
     settings.update(read_preprocessor_config(model_dir, (
         "patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "image_mean", "image_std", "size")))
-    return QwenVisionProcessor(tokenizer, Qwen2VLImageProcessorPil(**settings))
+    cls = Qwen3VisionProcessor if config.get("model_type") in QWEN3_VL_TYPES else QwenVisionProcessor
+    return cls(tokenizer, Qwen2VLImageProcessorPil(**settings))
 
 
-register_vision_processor(QWEN_VL_TYPES, load_qwen_vision_processor)
+register_vision_processor(QWEN_VL_TYPES + QWEN3_VL_TYPES, load_qwen_vision_processor)

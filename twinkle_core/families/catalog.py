@@ -115,3 +115,23 @@ register_family(ModelFamily(
           "tiles plus a thumbnail); transformers' native `internvl` checkpoints. The original remote-code "
           "checkpoints (InternVL2_5-8B) are not converted yet",
 ))
+register_family(ModelFamily(
+    name="qwen3_5_vl", title="Qwen 3.5 VL", model_ids="Qwen/Qwen3.5-VL-3B ~ 72B", model_types=("qwen3_5",),
+    id_pattern=r"^qwen/qwen3\.5-vl-", chat_template="qwen3_5", end_of_turn=CHATML_END, thinking=True, tools=False,
+    default_for_model_type=False,
+    vision=VisionParts(vision_tower=("model.visual",), aligner=("model.visual.merger",),
+                       language_model=("model.language_model", "lm_head")),
+    notes="images and videos; `Qwen3_5ForConditionalGeneration` (AutoModelForImageTextToText), the same "
+          "`qwen3_5` checkpoint the text-only Qwen 3.5 family loads as a causal LM: a VL id or the vision_lm "
+          "objective on a checkpoint with a vision_config picks this family. Needs mm_token_type_ids; videos "
+          "are written frame group by frame group behind their timestamps, as the stock Qwen3-VL processor does",
+))
+register_family(ModelFamily(
+    name="qwen3_vl", title="Qwen3-VL", model_ids="Qwen/Qwen3-VL-2B-Instruct ~ 32B", model_types=("qwen3_vl",),
+    id_pattern=r"^qwen/qwen3-vl-", chat_template="chatml", end_of_turn=CHATML_END, tools=False,
+    vision=VisionParts(vision_tower=("model.visual",),
+                       aligner=("model.visual.merger", "model.visual.deepstack_merger_list"),
+                       language_model=("model.language_model", "lm_head")),
+    notes="images and videos (timestamped frame groups); its DeepStack mergers count as the aligner; needs "
+          "mm_token_type_ids (transformers' PIL image processor and our patchify, as Qwen 2.5 VL)",
+))

@@ -139,9 +139,12 @@ def _supported() -> str:
     return "; ".join(f"{f.title} ({', '.join(f.model_types)})" for f in _FAMILIES.values())
 
 
-def family_for_model_type(model_type: str, model_id: str | None = None, embedding: bool = False) -> ModelFamily:
-    """The family of a config.json model_type; the id picks among families sharing a model_type, and so does
-    `embedding` (a sentence-transformers directory: Qwen3-Embedding rather than Qwen 3).
+def family_for_model_type(model_type: str, model_id: str | None = None, embedding: bool = False,
+                          vision: bool = False) -> ModelFamily:
+    """The family of a config.json model_type; the id picks among families sharing a model_type, and so do
+    `embedding` (a sentence-transformers directory: Qwen3-Embedding rather than Qwen 3) and `vision` (a
+    vision-language objective: a `qwen3_5` checkpoint with its vision tower is Qwen 3.5 VL, not the text-only
+    Qwen 3.5 that AutoModelForCausalLM loads from the same checkpoint).
 
     A model_type no family covers gets an untested family (see `untested_family`).
     """
@@ -153,6 +156,7 @@ def family_for_model_type(model_type: str, model_id: str | None = None, embeddin
     if by_id:
         return by_id[0]
     same_kind = [f for f in candidates if f.is_embedding == embedding] or candidates
+    same_kind = [f for f in same_kind if f.is_vision == vision] or same_kind
     return ([f for f in same_kind if f.default_for_model_type] or same_kind)[0]
 
 
@@ -172,8 +176,9 @@ def family_for_model_id(model_id: str) -> ModelFamily | None:
 
 
 def family_for_model_dir(path: str | Path, model_id: str | None = None,
-                         trust_remote_code: bool = False) -> ModelFamily:
-    """The family of a downloaded Hugging Face directory (from its config.json model_type).
+                         trust_remote_code: bool = False, vision: bool = False) -> ModelFamily:
+    """The family of a downloaded Hugging Face directory (from its config.json model_type); `vision`: a
+    vision-language run, which picks a model_type's vision family when its config has a `vision_config`.
 
     A checkpoint whose architecture exists only as code shipped beside its weights is refused unless
     `trust_remote_code`: running that code runs whatever it contains, with the caller's rights.
@@ -194,7 +199,8 @@ def family_for_model_dir(path: str | Path, model_id: str | None = None,
     model_type = values.get("model_type")
     if not model_type:
         raise UnsupportedModelError(f"{config} has no model_type; supported families: {_supported()}.")
-    return family_for_model_type(model_type, model_id, embedding=(Path(path) / "modules.json").is_file())
+    return family_for_model_type(model_type, model_id, embedding=(Path(path) / "modules.json").is_file(),
+                                 vision=vision and bool(values.get("vision_config")))
 
 
 def remote_code_of(config: dict) -> str | None:

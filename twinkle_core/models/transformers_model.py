@@ -124,7 +124,8 @@ class TransformersModel:
         self.path = resolve_model(model_id).path
         # A model_type outside the registry is an untested family (remote code fails here unless trusted);
         # `family` settles checkpoints that share an architecture (Yi/Llama).
-        self.family = get_family(family) if family else family_for_model_dir(self.path, model_id, trust_remote_code)
+        self.family = get_family(family) if family else family_for_model_dir(
+            self.path, model_id, trust_remote_code, vision=self.objective.auto_class == "AutoModelForImageTextToText")
         if not self.family.tested:
             logger.warning("%s: %s", model_id, self.family.notes)
         self.objective_options = self.objective.options(self.path, self.family, objective_options)

@@ -75,11 +75,16 @@ def test_lora_trains_the_language_model_on_encoded_media_and_the_rope_index_foll
     types = batch["mm_token_type_ids"]
     assert [(row == 1).sum().item() for row in types[:3]] == [4, 4, 4]
     if video:
-        # 5 frames at 0, 0.44, ... 1.75 s (2.29 fps): groups (0, 1), (2, 3), (4, 4 again), stamped at their mean
+        # 5 of the 8 frames (0, 2, 3, 5, 7: nearest to 5 even steps over 0..1.75 s), in groups (0, 2), (3, 5),
+        # (7, 7 again), each stamped with its mean time as the stock processor's own timestamp rule gives it
+        from transformers import Qwen3VLProcessor
+
         assert batch["video_grid_thw"].tolist() == [[3, 4, 4]] and (types[3] == 2).sum().item() == 12
+        stock = Qwen3VLProcessor._calculate_timestamps(None, [0, 2, 3, 5, 7], 4.0, 2)
+        assert [f"{t:.1f}" for t in stock] == ["0.2", "1.0", "1.8"]
         frame = "<|vision_start|>" + "<|video_pad|>" * 4 + "<|vision_end|>"
         text = processor.tokenizer.decode(batch["input_ids"][3])
-        assert f"<0.2 seconds>{frame}<1.1 seconds>{frame}<1.8 seconds>{frame}What moves?" in text
+        assert f"<0.2 seconds>{frame}<1.0 seconds>{frame}<1.8 seconds>{frame}What moves?" in text
 
     # The model's rope index on our batch is the layout's, row by row (padding excluded).
     rope_args = {key: batch[key] for key in ("image_grid_thw", "video_grid_thw") if key in batch}

@@ -84,10 +84,12 @@ def open_image(ref: str, where: str = "image"):
 
 @dataclass(frozen=True)
 class Video:
-    """Sampled frames ([T, H, W, 3] uint8) and the rate they were sampled at (frames per second)."""
+    """Sampled frames ([T, H, W, 3] uint8), the rate they were sampled at (frames per second) and each frame's
+    time in seconds from the first decoded frame (empty: unknown; Qwen3-VL writes them into the prompt)."""
 
     frames: np.ndarray
     sampled_fps: float
+    times: tuple[float, ...] = ()
 
 
 def read_video(ref: str, fps: float = 2.0, max_frames: int = 64, where: str = "video") -> Video:
@@ -114,7 +116,7 @@ def read_video(ref: str, fps: float = 2.0, max_frames: int = 64, where: str = "v
     picks = sorted({int(np.abs(times - target).argmin()) for target in targets})
     frames = np.stack([decoded[i][1] for i in picks])
     sampled_fps = (len(picks) - 1) / duration if len(picks) > 1 else fps
-    return Video(frames, sampled_fps)
+    return Video(frames, sampled_fps, tuple(float(times[i] - times[0]) for i in picks))
 
 
 def check_video(ref: str, where: str) -> None:

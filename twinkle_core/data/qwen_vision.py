@@ -105,16 +105,17 @@ class Qwen3VisionProcessor(QwenVisionProcessor):
     checkpoints use patch 16), but a video is written frame group by frame group, each behind its timestamp,
     as the stock `Qwen3VLProcessor` writes it: `<0.5 seconds><|vision_start|><|video_pad|>...<|vision_end|>`.
     Their rope index splits `video_grid_thw` into one grid per frame group to match. The timestamp of a group
-    is the mean time of its first and last frame, frame i taken at i / sampled_fps (the last group's copies
-    of the last frame count at that frame's time)."""
+    is the mean time of its first and last frame (their presentation times; else frame i at i / sampled_fps),
+    and the copies of the last frame that fill the last group count at that frame's time."""
 
     def _video_text(self, grid: list[int], video) -> str:
         temporal, last = self.image_processor.temporal_patch_size, len(video.frames) - 1
+        times = video.times or tuple(i / video.sampled_fps for i in range(last + 1))
         per_group = grid[1] * grid[2] // self.merge ** 2
         text = ""
         for group in range(grid[0]):
-            first, end = group * temporal, min(group * temporal + temporal - 1, last)
-            time = (first + end) / 2 / video.sampled_fps
+            first = group * temporal
+            time = (times[first] + times[min(first + temporal - 1, last)]) / 2
             text += f"<{time:.1f} seconds>" + self.start + self.tokens[VIDEO] * per_group + self.end
         return text
 

@@ -76,6 +76,9 @@ def registry_lines(run_id: str, registration: dict, checkpoint: CheckpointRef, l
         f"champion: {registration['decision']}",
         f"checkpoint: {checkpoint.path}",
     ]
+    if registration.get("chat_model"):
+        uri = f"models:/{registration['name']}/{registration['version']}"
+        lines.append(f"chat with it: python -m flows.chat --model {uri}")
     if links:
         lines += ["", f"MLflow run: {links['run']}"]
         if "loss_curve" in links:

@@ -50,4 +50,4 @@ def register(checkpoint: CheckpointRef, name: str, mlflow_run_id: str, eval_loss
     logger.info("registered %s version %s: %s", name, result.version, result.decision())
     return {"name": result.name, "version": result.version, "promoted": result.promoted,
             "decision": result.decision(), "champion_version": result.champion_version,
-            "champion_loss": result.champion_loss}
+            "champion_loss": result.champion_loss, "chat_model": is_chat_checkpoint(checkpoint.path)}

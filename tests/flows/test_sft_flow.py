@@ -54,6 +54,7 @@ def test_sft_trains_logs_registers_and_caches(sft_workspace):
     assert str(client.get_model_version_by_alias("tiny-sft", "champion").version) == "1"
     artifacts = {a.path for a in client.list_artifacts(result["run_id"], "model")}
     assert "model/MLmodel" in artifacts  # an MLflow model (its adapter under model/artifacts/)
+    assert "chat with it: python -m flows.chat --model models:/tiny-sft/1" in result["summary"]
     assert "base answer: " in result["summary"] and "trained answer: " in result["summary"]
     assert f"MLflow run id: {result['run_id']}" in result["summary"]
     first = _states_by_task(state.state_details.flow_run_id)

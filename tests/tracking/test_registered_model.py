@@ -76,7 +76,7 @@ def test_load_registered_returns_the_peft_model_with_the_trained_logits(store):
 
 def test_a_register_retry_for_the_same_run_makes_no_second_version(store):
     again = register_checkpoint(store["root"], "tiny-chat", store["adapter"]["run_id"], 1.0, "adapter")
-    assert again["version"] == store["adapter"]["version"] == "1" and again["promoted"]
+    assert again["version"] == store["adapter"]["version"] == "1" and again["promoted"] and again["chat_model"]
     assert len(MlflowClient().search_model_versions("name = 'tiny-chat'")) == 1
 
 

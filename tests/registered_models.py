@@ -59,3 +59,9 @@ def register_checkpoint(root: Path, name: str, run_id: str, eval_loss: float, re
     dataset = DatasetRef(dataset_id="pkg://tiny/chats.jsonl", path=str(root / "chats.jsonl"), content_hash="d" * 64)
     with disable_run_logger():
         return register.fn(checkpoint, name, run_id, eval_loss, base=base, dataset=dataset, register_as=register_as)
+
+
+def prompt_logits(model, tokenizer) -> torch.Tensor:
+    """The model's logits on QUESTION's chat prompt (what the reload and export tests compare)."""
+    with torch.no_grad():
+        return model(input_ids=prompt_ids(tokenizer, QUESTION)).logits

@@ -14,3 +14,11 @@ def registered(tmp_path_factory):
         adapter = register_run(root, "tiny-chat", "adapter")
         merged = register_run(root, "tiny-chat-merged", "merged")
         yield {"root": root, "adapter": adapter, "merged": merged, "uri": f"sqlite:///{root / 'mlflow.db'}"}
+
+
+@pytest.fixture
+def store(registered, monkeypatch):
+    """The registered store as the current process's tracking URI and cache."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registered["uri"])
+    monkeypatch.setenv("TWINKLE_CACHE", str(registered["root"] / "cache"))
+    return registered

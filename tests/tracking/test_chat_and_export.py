@@ -4,21 +4,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from flows import chat, export
-from registered_models import ANSWER, QUESTION
+from registered_models import ANSWER, QUESTION, prompt_logits
 from twinkle_core.convert.gguf_export import GgufExportError, gguf_problems, write_gguf
 from twinkle_core.tracking.chat_model import chat_reply, load_chat_parts, prompt_ids
-
-
-@pytest.fixture
-def store(registered, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", registered["uri"])
-    monkeypatch.setenv("TWINKLE_CACHE", str(registered["root"] / "cache"))
-    return registered
-
-
-def _logits(model, tokenizer):
-    with torch.no_grad():
-        return model(input_ids=prompt_ids(tokenizer, QUESTION)).logits
 
 
 def test_chat_one_shot_streams_the_champions_answer(store, capsys):
@@ -35,13 +23,13 @@ def test_chat_names_the_unknown_alias_in_one_message(store, capsys):
 
 def test_exports_reload_with_the_registered_logits_and_answer(store, tmp_path):
     reference_model, reference_tokenizer = load_chat_parts(store["root"] / "adapter", store["root"] / "base")
-    reference = _logits(reference_model, reference_tokenizer)
+    reference = prompt_logits(reference_model, reference_tokenizer)
 
     merged_dir = tmp_path / "merged"
     assert export.main(["--model", "models:/tiny-chat@champion", "--to", "hf-merged", "--output", str(merged_dir)]) == 0
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(merged_dir)
-    assert torch.allclose(_logits(merged, tokenizer), reference, atol=1e-4, rtol=0)  # merging reorders fp32 sums
+    assert torch.allclose(prompt_logits(merged, tokenizer), reference, atol=1e-4, rtol=0)  # merging reorders fp32 sums
     assert chat_reply(merged, tokenizer, QUESTION, 12) == ANSWER
 
     gguf_dir = tmp_path / "gguf"
@@ -49,7 +37,7 @@ def test_exports_reload_with_the_registered_logits_and_answer(store, tmp_path):
     gguf = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file="tiny-chat.gguf", dtype=torch.float32).eval()
     gguf_tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file="tiny-chat.gguf")
     assert prompt_ids(gguf_tokenizer, QUESTION).tolist() == prompt_ids(tokenizer, QUESTION).tolist()
-    assert torch.allclose(_logits(gguf, gguf_tokenizer), reference, atol=1e-4, rtol=0)
+    assert torch.allclose(prompt_logits(gguf, gguf_tokenizer), reference, atol=1e-4, rtol=0)
     assert chat_reply(gguf, gguf_tokenizer, QUESTION, 12) == ANSWER
 
 

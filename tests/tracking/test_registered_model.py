@@ -8,22 +8,10 @@ import torch
 from mlflow import MlflowClient
 from peft import PeftModel
 
-from registered_models import ANSWER, QUESTION, register_checkpoint
-from twinkle_core.tracking.chat_model import chat_reply, load_chat_parts, prompt_ids
+from registered_models import ANSWER, QUESTION, prompt_logits, register_checkpoint
+from twinkle_core.tracking.chat_model import chat_reply, load_chat_parts
 from twinkle_core.tracking.model_logging import BASE_EXPERIMENT, BaseModelRef
 from twinkle_core.tracking.registered import RegisteredModelNotFound, load_registered
-
-
-@pytest.fixture
-def store(registered, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", registered["uri"])
-    monkeypatch.setenv("TWINKLE_CACHE", str(registered["root"] / "cache"))
-    return registered
-
-
-def _logits(model, tokenizer):
-    with torch.no_grad():
-        return model(input_ids=prompt_ids(tokenizer, QUESTION)).logits
 
 
 def test_pyfunc_champion_answers_chat_messages(store):
@@ -64,14 +52,14 @@ def test_version_tags_carry_the_lineage(store):
     assert len(tags["twinkle.git_commit"]) == 40
 
 
-def test_load_registered_returns_the_peft_model_with_the_trained_logits(store):
-    reference = _logits(*load_chat_parts(store["root"] / "adapter", store["root"] / "base"))
+def test_load_registered_returns_the_peft_model_with_the_trainedprompt_logits(store):
+    reference = prompt_logits(*load_chat_parts(store["root"] / "adapter", store["root"] / "base"))
     model, tokenizer = load_registered("tiny-chat", "champion")
     assert isinstance(model, PeftModel)
-    assert torch.allclose(_logits(model, tokenizer), reference, atol=1e-6, rtol=0)
+    assert torch.allclose(prompt_logits(model, tokenizer), reference, atol=1e-6, rtol=0)
     merged, tokenizer = load_registered("tiny-chat-merged", "1")
     assert not isinstance(merged, PeftModel)
-    assert torch.allclose(_logits(merged, tokenizer), reference, atol=1e-4, rtol=0)  # merging reorders fp32 sums
+    assert torch.allclose(prompt_logits(merged, tokenizer), reference, atol=1e-4, rtol=0)  # merging reorders fp32 sums
 
 
 def test_a_register_retry_for_the_same_run_makes_no_second_version(store):

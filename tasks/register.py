@@ -7,7 +7,8 @@ from prefect import get_run_logger, task
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from twinkle_core.tracking import register_version, tracking_uri
 from twinkle_core.tracking.lineage import version_tags
-from twinkle_core.tracking.model_logging import BaseModelRef, is_chat_checkpoint, log_chat_model
+from twinkle_core.tracking.model_logging import (BaseModelRef, is_chat_checkpoint, log_chat_model,
+                                                 log_embedding_model)
 from twinkle_core.tracking.registry import version_of_run
 
 ARTIFACT_PATH = "model"
@@ -21,7 +22,8 @@ def register(checkpoint: CheckpointRef, name: str, mlflow_run_id: str, eval_loss
     """Log the checkpoint as an MLflow model and register it; champion moves only if it wins.
 
     A causal LM is logged as the pyfunc chat model (a LoRA adapter with a portable reference to `base`,
-    or merged into it when `register_as="merged"`); an embedding export as its folder. `eval_loss` is the
+    or merged into it when `register_as="merged"`); an embedding export as MLflow's
+    sentence_transformers flavor. `eval_loss` is the
     run's `metric` (lower wins unless `higher_is_better`); `tags` (e.g. the Prefect flow run), the base,
     the `dataset` and the held-out metrics go on the version; `extras` (artifact path -> folder) are
     uploaded beside it, e.g. the LoRA adapter of a merged embedding model. A retry for a run that already
@@ -39,7 +41,7 @@ def register(checkpoint: CheckpointRef, name: str, mlflow_run_id: str, eval_loss
     elif is_chat_checkpoint(checkpoint.path):
         base_tags |= log_chat_model(client, mlflow_run_id, checkpoint.path, reference, register_as, ARTIFACT_PATH)
     else:
-        client.log_artifacts(mlflow_run_id, checkpoint.path, ARTIFACT_PATH)
+        log_embedding_model(client, mlflow_run_id, checkpoint.path, ARTIFACT_PATH)
     for artifact_path, folder in (extras or {}).items():
         client.log_artifacts(mlflow_run_id, folder, artifact_path)
     result = register_version(client, name, mlflow_run_id, ARTIFACT_PATH, eval_loss, metric, higher_is_better)

@@ -25,7 +25,7 @@ REGISTER_AS = ("adapter", "merged")
 BASE_EXPERIMENT = "twinkle-base-models"
 BASE_ARTIFACT = "base"
 BASE_HASH_TAG = "twinkle.base_content_hash"
-SENTENCE_TRANSFORMERS_FILE = "modules.json"  # an embedding export: not a chat model
+SENTENCE_TRANSFORMERS_FILE = "modules.json"  # an embedding export: logged as sentence_transformers
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class BaseModelRef:
 
 
 def is_chat_checkpoint(checkpoint_dir: str | Path) -> bool:
-    """A causal LM directory or adapter (an embedding export is logged as a plain folder)."""
+    """A causal LM directory or adapter (not an embedding export)."""
     return not (Path(checkpoint_dir) / SENTENCE_TRANSFORMERS_FILE).is_file()
 
 
@@ -97,6 +97,29 @@ def log_chat_model(client: MlflowClient, run_id: str, checkpoint_dir: str | Path
     return {f"twinkle.{key}": value for key, value in config.items()}
 
 
+def log_embedding_model(client: MlflowClient, run_id: str, export_dir: str | Path,
+                        artifact_path: str = "model") -> None:
+    """Log a sentence-transformers export as MLflow's sentence_transformers flavor: it loads with
+    `mlflow.sentence_transformers.load_model` and, as a pyfunc, `predict(texts)` returns their embeddings."""
+    import mlflow.sentence_transformers
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(export_dir), device="cpu")
+    with tempfile.TemporaryDirectory(prefix="twinkle-mlflow-") as tmp:
+        target = Path(tmp) / "mlflow-model"
+        mlflow.sentence_transformers.save_model(
+            model, str(target), input_example=["What do cats eat?"],
+            pip_requirements=[*pip_requirements(), _pinned("sentence-transformers")])
+        client.log_artifacts(run_id, str(target), artifact_path)
+    logger.info("logged %s as an MLflow sentence_transformers model", export_dir)
+
+
+def _pinned(name: str) -> str:
+    from importlib.metadata import version
+
+    return f"{name}=={version(name).split('+')[0]}"
+
+
 def save_chat_model(model_dir: Path, target: Path, config: dict[str, str]) -> None:
     """An MLflow pyfunc model folder: MLmodel, the code, the checkpoint, signature, example, requirements."""
     import mlflow.pyfunc
@@ -123,10 +146,7 @@ def chat_signature():
 
 def pip_requirements() -> list[str]:
     """What loading the model imports, pinned to the versions it was logged with."""
-    from importlib.metadata import version
-
-    packages = ("torch", "transformers", "peft", "safetensors", "huggingface_hub")
-    return [f"{name}=={version(name).split('+')[0]}" for name in packages]
+    return [_pinned(name) for name in ("torch", "transformers", "peft", "safetensors", "huggingface_hub")]
 
 
 def log_base_once(client: MlflowClient, base: BaseModelRef) -> str:

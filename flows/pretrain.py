@@ -77,8 +77,9 @@ class PretrainConfig(RunFields, ModelParallelFields, MachinesFields, ProcessFiel
         ) if bad]
 
     def data_parallel_size(self) -> int:
-        """The processes that tp × pp leave: each trains on its share of every global batch."""
-        return max(1, self.world_size() // (self.tp_size * self.pp_size))
+        """The processes that tp × pp × cp leave: each trains on its share of every global batch (context-
+        parallel ranks share their rows, each holding a part of every sequence)."""
+        return max(1, self.world_size() // (self.tp_size * self.pp_size * self.cp_size))
 
     def model_name(self) -> str:
         return self.registered_model_name or default_model_name(self.model_id, "pretrain-")

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from embedding_models import save_tiny_bert, write_pairs
 from family_models import save_tiny_family_model
 from tiny_models import CHATML_TEMPLATE, save_tiny_model
+from vision_models import save_tiny_qwen2_5_vl, write_image
 from twinkle_core.data import tokenize_dataset
 from twinkle_core.launch import run_streaming, torchrun_command
 from twinkle_core.train import TrainRunConfig
@@ -54,6 +55,20 @@ GRPO = dict(objective="grpo", objective_options={
     "rewards": ["length_penalty"], "reward_options": {"length_penalty": {"target_chars": 0, "max_chars": 200}},
     "num_generations": 4, "num_iterations": 2, "beta": 0.1, "max_new_tokens": 8}, use_lora=True, batch_size=3,
     gradient_accumulation_steps=1, max_steps=6, optimizer="SGD", lr=0.5)
+
+# Image chats on a tiny Qwen2.5-VL (test_parallel_vision): 7 rows of 1 or 2 images of 28x28 (4 pixel rows)
+# or 56x56 (16 rows), so a rank's pixel_values count differs from its share of the rows. Micro-batches of 3,
+# 2 per step: the epoch's third micro-batch has 1 row (rank 1 takes a stand-in). LoRA on the language model
+# (vision tower and merger frozen, the default). SGD, as for InfoNCE.
+VISION = dict(objective="vision_lm", use_lora=True, batch_size=3, gradient_accumulation_steps=2, max_steps=4,
+              optimizer="SGD", lr=0.5)
+VISION_ROWS = [("What colour is it?", "It is red.", [("red", 56)]),
+               ("Colour?", "Green.", [("green", 28)]),
+               ("What colours are these two?", "Blue, then white.", [("blue", 56), ("white", 28)]),
+               ("Describe the picture.", "A square of pure white colour.", [("white", 56)]),
+               ("Which is brighter?", "The second one.", [("noise", 28), ("white", 56)]),
+               ("What is shown?", "Random noise.", [("noise", 56)]),
+               ("Is it red?", "No, it is blue.", [("blue", 28)])]
 
 # name: (processes, model, settings). lr 1e-3: see test_parallel_equivalence's docstring.
 RUNS: dict[str, tuple[int, str, dict]] = {
@@ -120,6 +135,11 @@ RUNS: dict[str, tuple[int, str, dict]] = {
     "native_fsdp_grpo": (2, "llama_prompts", dict(GRPO, parallel=dict(strategy="native_fsdp"))),
     # The policy's own sampler (train_worker: runs named *_sampled) under Accelerate's FSDP, the default.
     "accelerate_fsdp_grpo_sampled": (2, "llama_prompts", dict(GRPO, max_steps=4, parallel=dict(strategy="accelerate"))),
+    # Image chats on a tiny Qwen2.5-VL (test_parallel_vision).
+    "single_vl": (1, "qwen_vl", dict(VISION)),
+    "ddp_vl": (2, "qwen_vl", dict(VISION, parallel=dict(dp_size=2))),
+    "native_fsdp_vl": (2, "qwen_vl", dict(VISION, parallel=dict(strategy="native_fsdp"))),
+    "accelerate_fsdp_vl": (2, "qwen_vl", dict(VISION, parallel=dict(strategy="accelerate"))),
 }
 
 
@@ -172,6 +192,27 @@ class Workspace:
                                              max_length=64).path
         self._runs: dict[str, Run] = {}
 
+    def _add_vision(self) -> None:
+        """The tiny Qwen2.5-VL and its image chats, built on first use (only the vision runs need them)."""
+        images = self.root / "vision" / "images"
+        colours = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
+        rows = []
+        for question, answer, media in VISION_ROWS:
+            paths = []
+            for name, size in media:
+                path = images / f"{name}{size}.png"
+                write_image(path, colours.get(name), size=(size, size), seed=size if name == "noise" else None)
+                paths.append(f"images/{path.name}")
+            rows.append({"messages": [{"role": "user", "content": "<image>" * len(paths) + question},
+                                      {"role": "assistant", "content": answer}], "images": paths})
+        data = self.root / "vision" / "train.jsonl"
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        model = save_tiny_qwen2_5_vl(self.root / "qwen_vl")
+        self.models["qwen_vl"] = (model, "qwen2_5_vl")
+        # min_pixels 28x28: the small images keep their size (2x2 patches), the large ones 4x4.
+        self.data["qwen_vl"] = tokenize_dataset(data, model, kind="vision_chat", max_length=256,
+                                                encode_options={"min_pixels": 28 * 28, "max_pixels": 56 * 56}).path
+
     def env(self) -> dict[str, str]:
         return {"PYTHONPATH": WORKER_PATH, "TWINKLE_CACHE": str(self.root / "cache")}
 
@@ -214,6 +255,8 @@ class Workspace:
         """The named run from RUNS, started once per session."""
         if name not in self._runs:
             nproc, model, settings = RUNS[name]
+            if model not in self.models and model == "qwen_vl":
+                self._add_vision()
             settings = dict(settings, parallel=dict(settings.get("parallel", {}), nproc_per_node=nproc))
             args = [str(self.write_config(name, model, **settings)), str(self.root / name / "out")]
             cmd = ([sys.executable, "-m", "train_worker", *args] if nproc == 1

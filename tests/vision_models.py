@@ -165,3 +165,146 @@ def save_tiny_qwen3_5_vl(directory: Path) -> Path:
     save_tiny_family_model("qwen3_5", directory)
     _qwen3_preprocessor(directory)
     return Path(directory)
+
+
+# --- OpenGVLab's original (remote-code) InternVL layout, written from a native model ---------------------------
+
+INTERNVL_CHAT_CODE = ("configuration_internvl_chat", "modeling_internvl_chat", "configuration_intern_vit",
+                      "modeling_intern_vit", "conversation")
+_LLAMA_TO_INTERNLM2 = {  # Llama name part -> InternLM2 name part (q/k/v are packed into wqkv, gate/up stay w1/w3)
+    "model.embed_tokens.": "model.tok_embeddings.", ".self_attn.o_proj.": ".attention.wo.",
+    ".mlp.gate_proj.": ".feed_forward.w1.", ".mlp.up_proj.": ".feed_forward.w3.",
+    ".mlp.down_proj.": ".feed_forward.w2.", ".input_layernorm.": ".attention_norm.",
+    ".post_attention_layernorm.": ".ffn_norm.",
+}
+_NATIVE_TO_INTERNVIT = {  # native vision/projector name part -> the original's
+    "model.vision_tower.embeddings.cls_token": "vision_model.embeddings.class_embedding",
+    "model.vision_tower.embeddings.position_embeddings": "vision_model.embeddings.position_embedding",
+    "model.vision_tower.embeddings.patch_embeddings.projection.": "vision_model.embeddings.patch_embedding.",
+    "model.vision_tower.encoder.layer.": "vision_model.encoder.layers.",
+    ".attention.projection_layer.": ".attn.proj.", ".attention.q_norm.": ".attn.q_norm.",
+    ".attention.k_norm.": ".attn.k_norm.", ".lambda_1": ".ls1", ".lambda_2": ".ls2",
+    ".layernorm_before.": ".norm1.", ".layernorm_after.": ".norm2.",
+    "model.multi_modal_projector.layer_norm.": "mlp1.0.", "model.multi_modal_projector.linear_1.": "mlp1.1.",
+    "model.multi_modal_projector.linear_2.": "mlp1.3.",
+}
+
+
+def tiny_native_internvl(text: str = "llama", seed: int = 0, qk_norm: bool = False):
+    """A random native InternVL whose parts have an original counterpart: a 2-layer Llama (InternLM2's
+    architecture, no biases) or Qwen2 language model, a 1-layer InternViT with a qkv bias (qk-norm and RMSNorm,
+    as InternViT-6B, with `qk_norm`), untied embeddings, 56-pixel tiles."""
+    from transformers import InternVLForConditionalGeneration
+
+    tokenizer = internvl_tokenizer()
+    text_config = dict(model_type=text, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                       max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if text == "llama":
+        text_config.update(attention_bias=False, mlp_bias=False, rope_parameters={"rope_type": "default",
+                                                                                  "rope_theta": 10000.0})
+    config = AutoConfig.for_model(
+        "internvl", text_config=text_config,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=TILE, patch_size=PATCH, attention_bias=True, use_qk_norm=qk_norm,
+                           norm_type="rms_norm" if qk_norm else "layer_norm"),
+        image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4, downsample_ratio=0.5,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = InternVLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # random layer scales, norms and biases, so a wrong mapping cannot hide behind 1s and 0s
+        for name, param in model.named_parameters():
+            if "norm" in name or "lambda" in name or name.endswith("bias"):
+                param.copy_(torch.randn_like(param) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+    return model, tokenizer
+
+
+def _pack_wqkv(q, k, v, kv_heads: int):
+    head_dim = k.shape[0] // kv_heads
+    rest = q.shape[1:]
+    return torch.cat([q.reshape(kv_heads, -1, head_dim, *rest), k.reshape(kv_heads, 1, head_dim, *rest),
+                      v.reshape(kv_heads, 1, head_dim, *rest)], dim=1).reshape(-1, *rest)
+
+
+def internvl_chat_state_dict(model) -> dict[str, torch.Tensor]:
+    """The native model's tensors under the original names (InternLM2 language model for a Llama one)."""
+    state, out = model.state_dict(), {}
+    internlm2 = model.config.text_config.model_type == "llama"
+    kv_heads = model.config.text_config.num_key_value_heads
+    for name, tensor in state.items():
+        if name.startswith("model.language_model.") or name == "lm_head.weight":
+            llm = "model." + name.removeprefix("model.language_model.") if name != "lm_head.weight" else name
+            if internlm2:
+                if ".self_attn.q_proj." in llm:
+                    prefix, kind = name.split(".self_attn.q_proj.")
+                    packed = _pack_wqkv(*(state[f"{prefix}.self_attn.{p}_proj.{kind}"] for p in "qkv"), kv_heads)
+                    out["language_model." + llm.replace(".self_attn.q_proj.", ".attention.wqkv.")] = packed.clone()
+                    continue
+                if ".self_attn.k_proj." in llm or ".self_attn.v_proj." in llm:
+                    continue
+                llm = "output.weight" if llm == "lm_head.weight" else llm
+                for part, original in _LLAMA_TO_INTERNLM2.items():
+                    llm = llm.replace(part, original)
+            out["language_model." + llm] = tensor.clone()
+            continue
+        if ".attention.k_proj." in name or ".attention.v_proj." in name:
+            continue
+        if ".attention.q_proj." in name:
+            prefix, kind = name.split(".attention.q_proj.")
+            name = f"{prefix}.attn.qkv.{kind}"
+            tensor = torch.cat([state[f"{prefix}.attention.{p}_proj.{kind}"] for p in "qkv"])
+        for part, original in _NATIVE_TO_INTERNVIT.items():
+            name = name.replace(part, original)
+        out[name] = tensor.clone()
+    return out
+
+
+def write_internvl_chat(folder: Path, model, tokenizer, llm_architecture: str | None = None) -> Path:
+    """An OpenGVLab-layout InternVL directory (`internvl_chat` config with llm_config and vision_config,
+    safetensors under the original names, a tokenizer, remote code that must never run) from a native model."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file(internvl_chat_state_dict(model), folder / "model.safetensors", metadata={"format": "pt"})
+    tc, vc = model.config.text_config, model.config.vision_config
+    llm = {"vocab_size": tc.vocab_size, "hidden_size": tc.hidden_size, "intermediate_size": tc.intermediate_size,
+           "num_hidden_layers": tc.num_hidden_layers, "num_attention_heads": tc.num_attention_heads,
+           "num_key_value_heads": tc.num_key_value_heads, "hidden_act": "silu", "rms_norm_eps": tc.rms_norm_eps,
+           "max_position_embeddings": tc.max_position_embeddings, "rope_theta": tc.rope_parameters["rope_theta"],
+           "tie_word_embeddings": False, "bos_token_id": tc.bos_token_id, "eos_token_id": tc.eos_token_id,
+           "pad_token_id": tc.pad_token_id, "torch_dtype": "float32"}
+    if tc.model_type == "llama":
+        llm.update(architectures=["InternLM2ForCausalLM"], model_type="internlm2", bias=False, rope_scaling=None,
+                   attn_implementation="eager",
+                   auto_map={"AutoConfig": "configuration_internlm2.InternLM2Config",
+                             "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"})
+    else:
+        llm.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False)
+    if llm_architecture:
+        llm["architectures"] = [llm_architecture]
+    vision = {"architectures": ["InternVisionModel"], "model_type": "intern_vit_6b", "hidden_size": vc.hidden_size,
+              "intermediate_size": vc.intermediate_size, "num_hidden_layers": vc.num_hidden_layers,
+              "num_attention_heads": vc.num_attention_heads, "image_size": vc.image_size[0],
+              "patch_size": vc.patch_size[0], "qkv_bias": vc.attention_bias, "qk_normalization": vc.use_qk_norm,
+              "norm_type": vc.norm_type, "hidden_act": "gelu", "layer_norm_eps": vc.layer_norm_eps,
+              "initializer_factor": 0.1, "dropout": 0.0, "attention_dropout": 0.0, "drop_path_rate": 0.0,
+              "use_flash_attn": False}
+    config = {
+        "architectures": ["InternVLChatModel"], "model_type": "internvl_chat", "torch_dtype": "float32",
+        "auto_map": {"AutoConfig": "configuration_internvl_chat.InternVLChatConfig",
+                     "AutoModel": "modeling_internvl_chat.InternVLChatModel"},
+        "downsample_ratio": model.config.downsample_ratio, "dynamic_image_size": True, "force_image_size": TILE,
+        "max_dynamic_patch": 4, "min_dynamic_patch": 1, "ps_version": "v2", "select_layer": -1,
+        "template": "internlm2-chat", "use_thumbnail": True, "llm_config": llm, "vision_config": vision,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [tc.eos_token_id]}))
+    for module in INTERNVL_CHAT_CODE:
+        (folder / f"{module}.py").write_text("raise RuntimeError('InternVL remote code was executed')\n")
+    tokenizer.save_pretrained(folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings.update(tokenizer_class="InternLM2Tokenizer",
+                    auto_map={"AutoTokenizer": ["tokenization_internlm2.InternLM2Tokenizer", None]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+    return folder

@@ -36,6 +36,7 @@ def test_readme_table_is_generated_from_the_registry():
     ("hf://THUDM/glm-4-9b-chat", "glm4"), ("ms://internlm/internlm2_5-7b-chat", "internlm2_5"),
     ("hf://Qwen/Qwen3-8B", "qwen3"), ("ms://Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3"),
     ("ms://Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl"), ("hf://OpenGVLab/InternVL3-1B-hf", "internvl2_5"),
+    ("hf://OpenGVLab/InternVL2_5-8B", "internvl2_5"),
     ("ms://Qwen/Qwen3.5-VL-3B", "qwen3_5_vl"), ("hf://Qwen/Qwen3-VL-2B-Instruct", "qwen3_vl"),
 ])
 def test_hub_ids_name_their_family_before_download(model_id, family):
@@ -60,7 +61,7 @@ def test_ids_that_cannot_be_told_yet_pass_and_later_kinds_fail_early():
     assert check_model_id("/models/my-llama") is None
     assert check_model_id("hf://someone/custom-model") is None
     with pytest.raises(UnsupportedModelError, match="vision-language.*Qwen 2.5"):
-        check_model_id("hf://OpenGVLab/InternVL2_5-8B")
+        check_model_id("hf://deepseek-ai/deepseek-vl-7b-chat")
     assert check_model_id("ms://Qwen/Qwen3-Embedding-0.6B").name == "qwen3_embedding"
     assert check_model_id("hf://thenlper/gte-large-zh").name == "bert_embedding"
 

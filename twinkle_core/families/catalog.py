@@ -106,14 +106,16 @@ register_family(ModelFamily(
           "(PyAV) through our patchify",
 ))
 register_family(ModelFamily(
-    name="internvl2_5", title="InternVL 2.5", model_ids="OpenGVLab/InternVL2_5-8B (transformers-native `-hf` form)",
-    model_types=("internvl",), id_pattern=r"^opengvlab/internvl(2_5|3)-[^/]*-hf$", chat_template="chatml",
+    name="internvl2_5", title="InternVL 2.5",
+    model_ids="OpenGVLab/InternVL2_5-8B (and the transformers-native `-hf` form)",
+    model_types=("internvl",), id_pattern=r"^opengvlab/internvl(2_5|3)-[^/]*$", chat_template="chatml",
     end_of_turn=CHATML_END, tools=False,
     vision=VisionParts(vision_tower=("model.vision_tower",), aligner=("model.multi_modal_projector",),
                        language_model=("model.language_model", "lm_head")),
     notes="images as tiles of the model's size (transformers' GotOcr2 PIL image processor, up to max_patches "
-          "tiles plus a thumbnail); transformers' native `internvl` checkpoints. The original remote-code "
-          "checkpoints (InternVL2_5-8B) are not converted yet",
+          "tiles plus a thumbnail); transformers' native `internvl` checkpoints; the original remote-code "
+          "checkpoints (`internvl_chat`, InternLM2 / Qwen2 / Llama language model) are converted to that form "
+          "on download",
 ))
 register_family(ModelFamily(
     name="qwen3_5_vl", title="Qwen 3.5 VL", model_ids="Qwen/Qwen3.5-VL-3B ~ 72B", model_types=("qwen3_5",),

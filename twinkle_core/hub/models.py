@@ -11,6 +11,7 @@ from .errors import HubError
 from .gguf import materialise_gguf
 from .ids import parse_id
 from .internlm2 import is_internlm2, materialise_internlm2
+from .internvl import is_internvl_chat, materialise_internvl
 from .local import local_target
 from .snapshots import download_snapshot, snapshot_hash
 
@@ -28,7 +29,8 @@ def resolve_model(model_id: str) -> ResolvedModel:
     """Resolve `ms://`, `hf://`, `pkg://`, `file://` ids or paths (a model directory, a .gguf file, or a .zip
     of a model directory, as the all-MiniLM-L6-v2 package ships one).
 
-    An InternLM2 directory resolves to its Llama conversion in the cache (see internlm2.py).
+    An InternLM2 directory resolves to its Llama conversion in the cache (see internlm2.py), an original
+    (remote-code) InternVL directory to its native `internvl` conversion (see internvl.py).
     """
     parsed = parse_id(model_id)
     if parsed.split:
@@ -54,6 +56,9 @@ def _model_dir(model_id: str, folder: Path, digest: str) -> ResolvedModel:
     # InternLM2 ships its own modelling code: a converted Llama copy is loaded instead of running it.
     if is_internlm2(folder):
         folder = materialise_internlm2(folder, digest)
+    # So does OpenGVLab's InternVL (`internvl_chat`): a converted native `internvl` copy is loaded instead.
+    elif is_internvl_chat(folder):
+        folder = materialise_internvl(folder, digest)
     return ResolvedModel(model_id, folder, digest)
 
 

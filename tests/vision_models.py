@@ -190,16 +190,16 @@ _NATIVE_TO_INTERNVIT = {  # native vision/projector name part -> the original's
 }
 
 
-def tiny_native_internvl(text: str = "llama", seed: int = 0, qk_norm: bool = False):
+def tiny_native_internvl(text: str = "llama", seed: int = 0, qk_norm: bool = False, tied: bool = False):
     """A random native InternVL whose parts have an original counterpart: a 2-layer Llama (InternLM2's
     architecture, no biases) or Qwen2 language model, a 1-layer InternViT with a qkv bias (qk-norm and RMSNorm,
-    as InternViT-6B, with `qk_norm`), untied embeddings, 56-pixel tiles."""
+    as InternViT-6B, with `qk_norm`), untied embeddings unless `tied`, 56-pixel tiles."""
     from transformers import InternVLForConditionalGeneration
 
     tokenizer = internvl_tokenizer()
     text_config = dict(model_type=text, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-                       max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                       max_position_embeddings=512, tie_word_embeddings=tied, bos_token_id=tokenizer.bos_token_id,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if text == "llama":
         text_config.update(attention_bias=False, mlp_bias=False, rope_parameters={"rope_type": "default",
@@ -210,7 +210,7 @@ def tiny_native_internvl(text: str = "llama", seed: int = 0, qk_norm: bool = Fal
                            image_size=TILE, patch_size=PATCH, attention_bias=True, use_qk_norm=qk_norm,
                            norm_type="rms_norm" if qk_norm else "layer_norm"),
         image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4, downsample_ratio=0.5,
-        tie_word_embeddings=False)
+        tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = InternVLForConditionalGeneration(config).eval()
     with torch.no_grad():  # random layer scales, norms and biases, so a wrong mapping cannot hide behind 1s and 0s
@@ -272,7 +272,7 @@ def write_internvl_chat(folder: Path, model, tokenizer, llm_architecture: str | 
            "num_hidden_layers": tc.num_hidden_layers, "num_attention_heads": tc.num_attention_heads,
            "num_key_value_heads": tc.num_key_value_heads, "hidden_act": "silu", "rms_norm_eps": tc.rms_norm_eps,
            "max_position_embeddings": tc.max_position_embeddings, "rope_theta": tc.rope_parameters["rope_theta"],
-           "tie_word_embeddings": False, "bos_token_id": tc.bos_token_id, "eos_token_id": tc.eos_token_id,
+           "tie_word_embeddings": model.config.tie_word_embeddings, "bos_token_id": tc.bos_token_id, "eos_token_id": tc.eos_token_id,
            "pad_token_id": tc.pad_token_id, "torch_dtype": "float32"}
     if tc.model_type == "llama":
         llm.update(architectures=["InternLM2ForCausalLM"], model_type="internlm2", bias=False, rope_scaling=None,

@@ -31,10 +31,11 @@ def _logits(model_dir, image_dir):
         return batch, model(**{k: v for k, v in batch.items() if k != "mm_token_type_ids"}).logits
 
 
-@pytest.mark.parametrize("text,qk_norm", [("llama", False), ("llama", True), ("qwen2", False)],
-                         ids=["internlm2", "internlm2-qk-norm-rmsnorm-vit", "qwen2"])
-def test_original_internvl_converts_to_the_native_model_exactly(tmp_path, text, qk_norm):
-    native, tokenizer = tiny_native_internvl(text, qk_norm=qk_norm)
+@pytest.mark.parametrize("text,qk_norm,tied", [("llama", False, False), ("llama", True, False),
+                                                ("qwen2", False, True)],
+                         ids=["internlm2", "internlm2-qk-norm-rmsnorm-vit", "qwen2-tied"])
+def test_original_internvl_converts_to_the_native_model_exactly(tmp_path, text, qk_norm, tied):
+    native, tokenizer = tiny_native_internvl(text, qk_norm=qk_norm, tied=tied)
     native.save_pretrained(tmp_path / "native")
     tokenizer.save_pretrained(tmp_path / "native")
     (tmp_path / "native" / "preprocessor_config.json").write_text(json.dumps({
@@ -51,7 +52,8 @@ def test_original_internvl_converts_to_the_native_model_exactly(tmp_path, text, 
     assert config["model_type"] == "internvl" and config["architectures"] == ["InternVLForConditionalGeneration"]
     assert config["text_config"]["model_type"] == text and "auto_map" not in config
     assert config["image_token_id"] == tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>")
-    assert config["image_seq_length"] == 4
+    assert config["image_seq_length"] == 4 and config["tie_word_embeddings"] is tied
+    assert ("lm_head.weight" in load_file(resolved.path / "model.safetensors")) is not tied
     assert family_for_model_dir(resolved.path, vision=True).name == "internvl2_5"
 
     converted = AutoModelForImageTextToText.from_pretrained(resolved.path)
@@ -79,6 +81,32 @@ def test_unsupported_language_model_is_a_clear_error(tmp_path):
     message = str(error.value)
     assert "InternVL3-9B" in message and "InternLM3ForCausalLM" in message and "InternLM2ForCausalLM" in message
     assert isinstance(error.value, HubError)
+    models = tmp_path / "twinkle_cache"
+    assert not [path for path in models.rglob("config.json") if "internvl" in str(path)]  # nothing cached
+
+
+def test_a_vocab_and_merges_tokenizer_of_a_built_in_class_is_converted(tmp_path):
+    """InternVL2_5-1B-style: no tokenizer.json, a Qwen2Tokenizer's vocab.json + merges.txt, added tokens in
+    tokenizer_config.json."""
+    native, tokenizer = tiny_native_internvl("qwen2")
+    source = write_internvl_chat(tmp_path / "InternVL2_5-1B", native, tokenizer)
+    tokenizer.backend_tokenizer.model.save(str(source))  # vocab.json, merges.txt
+    (source / "tokenizer.json").unlink()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>"]
+    settings = json.loads((source / "tokenizer_config.json").read_text())
+    settings.update(tokenizer_class="Qwen2Tokenizer", added_tokens_decoder={
+        str(tokenizer.convert_tokens_to_ids(token)): {"content": token, "special": True, "lstrip": False,
+                                                      "rstrip": False, "normalized": False, "single_word": False}
+        for token in special})
+    settings.pop("auto_map")
+    (source / "tokenizer_config.json").write_text(json.dumps(settings))
+
+    resolved = resolve_model(str(source))
+    converted = AutoTokenizer.from_pretrained(resolved.path)
+    context = tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>")
+    assert json.loads((resolved.path / "config.json").read_text())["image_token_id"] == context
+    assert converted("<img><IMG_CONTEXT><IMG_CONTEXT></img>")["input_ids"] == [
+        tokenizer.convert_tokens_to_ids(token) for token in ("<img>", "<IMG_CONTEXT>", "<IMG_CONTEXT>", "</img>")]
 
 
 def test_missing_llm_config_is_a_clear_error(tmp_path):

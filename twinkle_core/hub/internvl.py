@@ -107,7 +107,7 @@ def convert_internvl_to_native(src: str | Path, dst: str | Path) -> None:
     llm_kind = _llm_kind(source, src)
     dst.mkdir(parents=True, exist_ok=True)
     # The tokenizer first: the native config needs the id of <IMG_CONTEXT>.
-    internlm2._convert_tokenizer(src, dst)
+    _convert_tokenizer(src, dst)
     config = _native_config(source, llm_kind, _image_token_id(dst, src), src)
     _convert_weights(src, dst, config, llm_kind)
     config.save_pretrained(dst)
@@ -195,6 +195,44 @@ def _native_config(source: dict, kind: str, image_token_id: int, src: Path):
         tie_word_embeddings=tied,
         **extra,
     )
+
+
+_BPE_FILES = ("vocab.json", "merges.txt")
+_TOKENIZER_SIDE_FILES = ("added_tokens.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def _convert_tokenizer(src: Path, dst: Path) -> None:
+    """A plain tokenizer without the checkpoint's code: tokenizer.json or tokenizer.model as for InternLM2, or
+    vocab.json + merges.txt of a built-in class (Qwen2Tokenizer: InternVL2_5-1B/4B, InternVL3), loaded from a
+    staging folder that holds no config.json and no auto_map."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    if (src / "tokenizer.json").is_file() or (src / "tokenizer.model").is_file():
+        internlm2._convert_tokenizer(src, dst)
+        return
+    settings = internlm2._read_json(src / "tokenizer_config.json") if (src / "tokenizer_config.json").is_file() else {}
+    if not all((src / name).is_file() for name in _BPE_FILES) or settings.get("auto_map"):
+        raise HubError(
+            f"InternVL checkpoint {str(src)!r}: no tokenizer.json, tokenizer.model, or vocab.json + merges.txt of a "
+            "built-in tokenizer class; download the tokenizer files"
+        )
+    if not settings.get("tokenizer_class"):
+        raise HubError(
+            f"InternVL checkpoint {str(src)!r}: tokenizer_config.json names no tokenizer_class for vocab.json + "
+            "merges.txt; download it again"
+        )
+    with tempfile.TemporaryDirectory(prefix="internvl-tokenizer-") as staging:
+        staged = Path(staging)
+        for name in (*_BPE_FILES, *_TOKENIZER_SIDE_FILES, "tokenizer_config.json"):
+            if (src / name).is_file():
+                shutil.copyfile(src / name, staged / name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(staged, trust_remote_code=False)
+        except (ValueError, OSError) as exc:
+            raise HubError(f"InternVL checkpoint {str(src)!r}: its tokenizer could not be loaded ({exc})") from exc
+    tokenizer.save_pretrained(dst)
 
 
 def _image_token_id(dst: Path, src: Path) -> int:

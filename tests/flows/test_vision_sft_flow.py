@@ -3,11 +3,13 @@ with the images, register."""
 import json
 import shutil
 
+import mlflow.pyfunc
 from mlflow import MlflowClient
 from vision_models import save_tiny_qwen2_5_vl, write_image
 
 from flows.sft import SFTConfig, sft
 from twinkle_core.tracking import tracking_uri
+from twinkle_core.tracking.chat_model import chat_reply, load_chat_parts
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
 
@@ -46,3 +48,9 @@ def test_sft_flow_trains_a_vision_language_model_on_image_rows(tmp_path, monkeyp
     adapter = json.loads((tmp_path / result["checkpoint"] / "adapter_config.json").read_text())
     assert adapter["exclude_modules"] and all("visual" in name for name in adapter["exclude_modules"])
     assert str(client.get_model_version_by_alias("tiny-vl", "champion").version) == "1"
+    # The registered version is a chat model: it loads through its image-text-to-text class and answers text.
+    question = [{"role": "user", "content": "What colour is it?"}]
+    answers = mlflow.pyfunc.load_model("models:/tiny-vl@champion").predict({"messages": question},
+                                                                           params={"max_new_tokens": 3})
+    local = chat_reply(*load_chat_parts(tmp_path / result["checkpoint"], config.model_id), question, 3)
+    assert answers == [local], (answers, local)

@@ -14,6 +14,7 @@ names: `base_uri` (the base logged to MLflow once per content hash) or a hub id 
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -70,7 +71,7 @@ def fetch_base(config: dict) -> str:
 def load_chat_parts(model_dir: str | Path, base_dir: str | Path | None = None, dtype=None):
     """The model (a PeftModel for an adapter on `base_dir`) and its tokenizer, in eval mode."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     dtype = dtype or torch.float32
     if is_adapter(model_dir):
@@ -78,10 +79,20 @@ def load_chat_parts(model_dir: str | Path, base_dir: str | Path | None = None, d
 
         if base_dir is None:
             raise ValueError(f"{model_dir} is a LoRA adapter: give the directory of its base model")
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype), model_dir)
+        model = PeftModel.from_pretrained(model_class(base_dir).from_pretrained(base_dir, dtype=dtype), model_dir)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = model_class(model_dir).from_pretrained(model_dir, dtype=dtype)
     return model.eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+def model_class(model_dir: str | Path):
+    """AutoModelForCausalLM, or for a vision-language checkpoint that has no causal-LM class (Qwen2.5-VL,
+    Qwen3-VL, InternVL) AutoModelForImageTextToText: it answers text-only conversations as well."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = AutoConfig.from_pretrained(model_dir).model_type
+    return AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForImageTextToText
 
 
 def prompt_ids(tokenizer, messages: list[dict]):
@@ -98,6 +109,8 @@ def chat_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 64,
 
     ids = prompt_ids(tokenizer, messages)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    if "mm_token_type_ids" in inspect.signature(getattr(model, "get_base_model", lambda: model)().forward).parameters:
+        sampling["mm_token_type_ids"] = torch.zeros_like(ids)  # Qwen3-VL / 3.5 VL need it: every token is text
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, streamer=streamer,

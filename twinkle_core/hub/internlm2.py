@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from twinkle_core.atomic import atomic_dir
+from twinkle_core.hub.convert_shards import Conversion, write_converted
 from twinkle_core.paths import cache_dir
 
 from .errors import HubError
@@ -184,75 +185,17 @@ def _rope_parameters(cfg: dict, src: Path) -> dict:
 # --- weights ------------------------------------------------------------------------------------------------
 
 
+INTERNLM2 = Conversion("InternLM2 checkpoint", "a Llama model", "check `bias` and the layer count in config.json",
+                       "Llama names; q/k/v_proj come from attention.wqkv; the download is incomplete or not InternLM2")
+
+
 def _convert_weights(src: Path, dst: Path, config) -> None:
     """Rename and split tensors shard by shard, so peak memory stays near one source shard."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    heads = _Heads(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-    expected = _expected_shapes(config)
-    shards = _source_shards(src)
-    outputs = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
-    ]
-    weight_map: dict[str, str] = {}
-    total_size = 0
-    for shard, output in zip(shards, outputs):
-        tensors = {}
-        with safe_open(src / shard, framework="pt") as handle:
-            for name in handle.keys():
-                for new_name, tensor in _converted(name, handle.get_tensor(name), heads, src):
-                    if new_name == "lm_head.weight" and config.tie_word_embeddings:
-                        continue  # tied: Llama reads the head from the embeddings
-                    _check_tensor(new_name, name, tensor, expected, weight_map, src)
-                    tensors[new_name] = tensor
-                    weight_map[new_name] = output
-        save_file(tensors, dst / output, metadata={"format": "pt"})
-        total_size += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-        del tensors
-    missing = sorted(set(expected) - set(weight_map))
-    if missing:
-        raise HubError(
-            f"InternLM2 checkpoint {str(src)!r}: {len(missing)} tensors are missing, e.g. {missing[:4]} "
-            "(Llama names; q/k/v_proj come from attention.wqkv); the download is incomplete or not InternLM2"
-        )
-    if len(outputs) > 1:
-        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama with this config loads, and its shape (a meta-device model: no memory)."""
-    import torch
     from transformers import LlamaForCausalLM
 
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
-    return shapes
-
-
-def _source_shards(src: Path) -> list[str]:
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
-        absent = [shard for shard in shards if not (src / shard).is_file()]
-        if absent or not shards:
-            raise HubError(
-                f"InternLM2 checkpoint {str(src)!r}: model.safetensors.index.json lists missing shards {absent}; "
-                "download the checkpoint again"
-            )
-        return shards
-    shards = sorted(path.name for path in src.glob("*.safetensors"))
-    if not shards:
-        found = sorted(path.name for path in src.iterdir())[:20]
-        raise HubError(
-            f"InternLM2 checkpoint {str(src)!r}: no *.safetensors weights (found {found}); converting reads "
-            "safetensors only: download the safetensors files of the checkpoint"
-        )
-    return shards
+    heads = _Heads(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    write_converted(src, dst, LlamaForCausalLM, config, lambda name, tensor: _converted(name, tensor, heads, src),
+                    INTERNLM2)
 
 
 def _converted(name: str, tensor, heads: _Heads, src: Path) -> list[tuple[str, object]]:
@@ -293,21 +236,6 @@ def _split_wqkv(wqkv, heads: _Heads, name: str, src: Path):
     v = grouped[:, -1].reshape(heads.num_kv_heads * heads.head_dim, *rest)
     # Own contiguous copies: safetensors refuses tensors that share storage (views of one wqkv can).
     return tuple(part.clone(memory_format=torch.contiguous_format) for part in (q, k, v))
-
-
-def _check_tensor(new_name: str, name: str, tensor, expected: dict, seen: dict, src: Path) -> None:
-    if new_name not in expected:
-        raise HubError(
-            f"InternLM2 checkpoint {str(src)!r}: tensor {name!r} (as {new_name!r}) has no place in a Llama model "
-            "with this config (check `bias` and the layer count in config.json)"
-        )
-    if new_name in seen:
-        raise HubError(f"InternLM2 checkpoint {str(src)!r}: tensor {name!r} appears in more than one shard")
-    if tuple(tensor.shape) != expected[new_name]:
-        raise HubError(
-            f"InternLM2 checkpoint {str(src)!r}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
-            f"implies {expected[new_name]} for {new_name!r}; config.json does not match the weights"
-        )
 
 
 # --- tokenizer ----------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from twinkle_core.atomic import atomic_dir
+from twinkle_core.hub.convert_shards import Conversion, write_converted
 from twinkle_core.paths import cache_dir
 
 from . import internlm2
@@ -263,63 +264,20 @@ def _write_preprocessor_config(source: dict, config, dst: Path) -> None:
 # --- weights ------------------------------------------------------------------------------------------------
 
 
+INTERNVL = Conversion("InternVL checkpoint", "a native InternVL model",
+                      "check the layer counts, biases and qk_normalization in config.json",
+                      "native `internvl` names; the download is incomplete or config.json does not match the weights")
+
+
 def _convert_weights(src: Path, dst: Path, config, kind: str) -> None:
     """Rename and split tensors shard by shard, so peak memory stays near one source shard."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from transformers import InternVLForConditionalGeneration
 
     text = config.text_config
     heads = internlm2._Heads(text.num_attention_heads, text.num_key_value_heads,
                              getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    expected = _expected_shapes(config)
-    shards = _source_shards(src)
-    outputs = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
-    ]
-    weight_map: dict[str, str] = {}
-    total_size = 0
-    for shard, output in zip(shards, outputs):
-        tensors = {}
-        with safe_open(src / shard, framework="pt") as handle:
-            for name in handle.keys():
-                for new_name, tensor in _converted(name, handle.get_tensor(name), kind, heads, src):
-                    if new_name == "lm_head.weight" and config.tie_word_embeddings:
-                        continue  # tied: the head is read from the embeddings
-                    _check_tensor(new_name, name, tensor, expected, weight_map, src)
-                    tensors[new_name] = tensor
-                    weight_map[new_name] = output
-        save_file(tensors, dst / output, metadata={"format": "pt"})
-        total_size += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-        del tensors
-    missing = sorted(set(expected) - set(weight_map))
-    if missing:
-        raise HubError(
-            f"InternVL checkpoint {str(src)!r}: {len(missing)} tensors are missing, e.g. {missing[:4]} (native "
-            "`internvl` names); the download is incomplete or config.json does not match the weights"
-        )
-    if len(outputs) > 1:
-        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Every tensor a native InternVL with this config loads, and its shape (a meta-device model: no memory)."""
-    import torch
-    from transformers import InternVLForConditionalGeneration
-
-    with torch.device("meta"):
-        model = InternVLForConditionalGeneration(config)
-    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
-    return shapes
-
-
-def _source_shards(src: Path) -> list[str]:
-    try:
-        return internlm2._source_shards(src)
-    except HubError as exc:
-        raise HubError(str(exc).replace("InternLM2 checkpoint", "InternVL checkpoint", 1)) from None
+    write_converted(src, dst, InternVLForConditionalGeneration, config,
+                    lambda name, tensor: _converted(name, tensor, kind, heads, src), INTERNVL)
 
 
 def _converted(name: str, tensor, kind: str, heads, src: Path) -> list[tuple[str, object]]:
@@ -359,16 +317,3 @@ def _converted_llm(name: str, tensor, kind: str, heads, src: Path) -> list[tuple
     return out
 
 
-def _check_tensor(new_name: str, name: str, tensor, expected: dict, seen: dict, src: Path) -> None:
-    if new_name not in expected:
-        raise HubError(
-            f"InternVL checkpoint {str(src)!r}: tensor {name!r} (as {new_name!r}) has no place in a native InternVL "
-            "model with this config (check the layer counts, biases and qk_normalization in config.json)"
-        )
-    if new_name in seen:
-        raise HubError(f"InternVL checkpoint {str(src)!r}: tensor {name!r} appears in more than one shard")
-    if tuple(tensor.shape) != expected[new_name]:
-        raise HubError(
-            f"InternVL checkpoint {str(src)!r}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
-            f"implies {expected[new_name]} for {new_name!r}; config.json does not match the weights"
-        )

@@ -32,7 +32,7 @@ def test_every_problem_is_reported_at_once():
     with pytest.raises(ValidationError) as raised:
         SFTConfig(backend="megatron", packing=True, dp_size=2, nproc_per_node=2, mixed_precision="fp8")
     message = str(raised.value)
-    assert "sft: 4 problem(s)" in message
+    assert "sft: 3 problem(s)" in message  # fp8 is one problem on megatron: it names Transformer Engine, not torchao
     for part in ("packing=True", "dp_size=2", "mixed_precision='fp8'"):
         assert part in message
 

@@ -8,11 +8,16 @@ shard), and nothing the target needs may be missing.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from twinkle_core.atomic import atomic_dir
 from twinkle_core.hub.errors import HubError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,21 @@ class Conversion:
 
     def error(self, src: Path, message: str) -> HubError:
         return HubError(f"{self.source} {str(src)!r}: {message}")
+
+
+def converted_once(src: Path, final: Path, conversion: Conversion, layout: str,
+                   convert: Callable[[Path, Path], None]) -> Path:
+    """`final`, written by `convert(src, tmp)` on first use only (atomic_dir renames the folder into place only
+    when complete, so its config.json means "done")."""
+    if (final / "config.json").is_file():
+        log.debug("reusing converted %s %s at %s", conversion.source, src, final)
+        return final
+    log.info("converting %s %s to %s (once) into %s; no remote code is executed", conversion.source, src, layout, final)
+    start = time.perf_counter()
+    with atomic_dir(final) as tmp:
+        convert(src, tmp)
+    log.info("converted %s %s in %.1fs", conversion.source, src, time.perf_counter() - start)
+    return final
 
 
 def source_shards(src: Path, conversion: Conversion) -> list[str]:

@@ -18,12 +18,10 @@ import logging
 import re
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from twinkle_core.atomic import atomic_dir
-from twinkle_core.hub.convert_shards import Conversion, write_converted
+from twinkle_core.hub.convert_shards import Conversion, converted_once, write_converted
 from twinkle_core.paths import cache_dir
 
 from .errors import HubError
@@ -81,19 +79,7 @@ def is_internlm2(path: str | Path) -> bool:
 def materialise_internlm2(src: Path, content_hash: str) -> Path:
     """The Llama directory converted from InternLM2 checkpoint `src`; written on first use only."""
     final = cache_dir("models") / f"internlm2-llama-v{_LAYOUT_VERSION}-{content_hash[:16]}"
-    # atomic_dir renames the folder into place only when complete, so config.json means "done".
-    if (final / "config.json").is_file():
-        log.debug("reusing converted InternLM2 checkpoint %s at %s", src, final)
-        return final
-    log.info(
-        "converting InternLM2 checkpoint %s to the Llama layout (once) into %s; no remote code is executed",
-        src, final,
-    )
-    start = time.perf_counter()
-    with atomic_dir(final) as tmp:
-        convert_internlm2_to_llama(src, tmp)
-    log.info("converted InternLM2 checkpoint %s in %.1fs", src, time.perf_counter() - start)
-    return final
+    return converted_once(src, final, INTERNLM2, "the Llama layout", convert_internlm2_to_llama)
 
 
 def convert_internlm2_to_llama(src: str | Path, dst: str | Path) -> None:

@@ -25,11 +25,9 @@ import json
 import logging
 import re
 import shutil
-import time
 from pathlib import Path
 
-from twinkle_core.atomic import atomic_dir
-from twinkle_core.hub.convert_shards import Conversion, write_converted
+from twinkle_core.hub.convert_shards import Conversion, converted_once, write_converted
 from twinkle_core.paths import cache_dir
 
 from . import internlm2
@@ -89,16 +87,7 @@ def is_internvl_chat(path: str | Path) -> bool:
 def materialise_internvl(src: Path, content_hash: str) -> Path:
     """The native `internvl` directory converted from InternVL checkpoint `src`; written on first use only."""
     final = cache_dir("models") / f"internvl-native-v{_LAYOUT_VERSION}-{content_hash[:16]}"
-    if (final / "config.json").is_file():  # atomic_dir renames the folder into place only when complete
-        log.debug("reusing converted InternVL checkpoint %s at %s", src, final)
-        return final
-    log.info("converting InternVL checkpoint %s to the native `internvl` layout (once) into %s; no remote code "
-             "is executed", src, final)
-    start = time.perf_counter()
-    with atomic_dir(final) as tmp:
-        convert_internvl_to_native(src, tmp)
-    log.info("converted InternVL checkpoint %s in %.1fs", src, time.perf_counter() - start)
-    return final
+    return converted_once(src, final, INTERNVL, "the native `internvl` layout", convert_internvl_to_native)
 
 
 def convert_internvl_to_native(src: str | Path, dst: str | Path) -> None:

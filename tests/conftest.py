@@ -1,10 +1,19 @@
-"""Suite-wide: the longest test files run first.
+"""Suite-wide: one thread per process, and the longest test files run first.
 
 `make test` hands whole files to 2 xdist workers in collection order (`--dist loadfile`). A long file
 collected last leaves one worker busy while the other idles, so the files that take longest (measured
 with --durations on 2 cores) are moved to the front; everything else keeps pytest's order.
 """
 from __future__ import annotations
+
+import os
+
+# One OpenMP thread per process, before anything imports torch. `make test` runs 2 xdist workers on 2 cores,
+# each starting training workers of its own: with torch's default of one thread per core, OpenMP threads
+# spin waiting for cores the other processes hold. Measured on 2 busy cores, 8 tests of
+# tests/models/test_families_train.py on 2 workers: 55 s with 2 threads a process, 31 s with 1.
+# The workers' own choice (twinkle_core.launch.cpu_threads_env) keeps a value set here.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 LONGEST_FIRST = [
     "tests/flows/test_families_sft.py",

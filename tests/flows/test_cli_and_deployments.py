@@ -159,3 +159,18 @@ def test_prefect_servers_started_for_this_project_send_no_analytics():
                                        capture_output=True, text=True, check=True).stdout.strip()
     assert run({}) == "False"
     assert run({"PREFECT_SERVER_ANALYTICS_ENABLED": "true"}) == "True"
+
+
+def test_mlflow_sends_no_telemetry_from_our_processes():
+    """Every process that logs imports twinkle_core.tracking first: MLflow's telemetry client is then off (no
+    sender thread trying the network, none holding the worker at exit); a user's own setting wins."""
+    code = ("import twinkle_core.tracking, threading; from mlflow.telemetry.utils import is_telemetry_disabled as off;"
+            "from mlflow import MlflowClient; MlflowClient('sqlite:///:memory:');"
+            "print(off(), any('Telemetry' in t.name for t in threading.enumerate()))")
+    # MLflow also turns it off under pytest or CI: leave out the variables it looks for.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK", "PYTEST_CURRENT_TEST", "CI", "GITHUB_ACTIONS")}
+    run = lambda extra: subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, **extra},  # noqa: E731
+                                       capture_output=True, text=True, check=True).stdout.strip()
+    assert run({}) == "True False"
+    assert run({"MLFLOW_DISABLE_TELEMETRY": "false"}).startswith("False")

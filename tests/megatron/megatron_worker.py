@@ -26,6 +26,7 @@ from twinkle_core.megatron.parallel_state import destroy_megatron_parallel
 from twinkle_core.models import LoraConfig
 from twinkle_core.models.megatron_model import MegatronModel
 from twinkle_core.parallel.process_group import close_distributed
+from twinkle_core.entry import finish_worker
 
 GLOBAL_ROWS, SEQ = 8, 12
 
@@ -108,4 +109,4 @@ def run_job(job: dict) -> None:
 
 
 if __name__ == "__main__":  # dist_checkpointing starts helper processes that re-import this module
-    main(sys.argv[1:])
+    finish_worker(main(sys.argv[1:]))

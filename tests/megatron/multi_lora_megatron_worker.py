@@ -25,6 +25,7 @@ from megatron_worker import global_batch, local_share
 from twinkle_core.megatron.parallel_state import destroy_megatron_parallel
 from twinkle_core.models import LoraConfig, MegatronModel, MultiLoraMegatronModel
 from twinkle_core.parallel.process_group import close_distributed
+from twinkle_core.entry import finish_worker
 
 
 def tenant_batch(index: int, step: int, vocab: int, model) -> dict:
@@ -196,4 +197,4 @@ def main(job_paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    finish_worker(main(sys.argv[1:]))

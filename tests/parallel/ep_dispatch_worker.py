@@ -23,6 +23,7 @@ from transformers import AutoConfig
 from twinkle_core.parallel import DeviceMesh
 from twinkle_core.parallel.expert import ExpertGroups, shard_experts
 from twinkle_core.parallel.process_group import close_distributed
+from twinkle_core.entry import finish_worker
 
 HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 4, 2, (7, 3)  # unequal shares of tokens per rank
 CLASSES = {
@@ -103,4 +104,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    finish_worker(main(*sys.argv[1:]))

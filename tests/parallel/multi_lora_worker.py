@@ -20,6 +20,7 @@ from train_worker import _full_bytes, _local_bytes, trainable_weights
 from twinkle_core.parallel import is_main_process
 from twinkle_core.train.multi_lora import MultiLoraRecipe
 from twinkle_core.train.multi_lora_config import MultiLoraRunConfig
+from twinkle_core.entry import finish_worker
 
 
 class TenantRecorder:
@@ -73,4 +74,4 @@ def main(config_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    finish_worker(main(*sys.argv[1:]))

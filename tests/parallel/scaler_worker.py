@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 from twinkle_core.parallel import DeviceMesh
 from twinkle_core.parallel.tp import TensorParallelGradScaler
 from twinkle_core.parallel.process_group import close_distributed
+from twinkle_core.entry import finish_worker
 
 
 def main(out_dir: str) -> None:
@@ -51,4 +52,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    finish_worker(main(sys.argv[1]))

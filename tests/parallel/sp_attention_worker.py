@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from twinkle_core.parallel.sequence import _block_causal, heads_to_sequence, sequence_to_heads, ulysses_attention
 from twinkle_core.parallel.process_group import close_distributed
+from twinkle_core.entry import finish_worker
 
 
 def reference(q, k, v, mask):
@@ -63,4 +64,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    finish_worker(main(sys.argv[1]))

@@ -28,6 +28,7 @@ from twinkle_core.parallel.expert import expert_full_shapes
 from twinkle_core.train import TrainRunConfig
 from twinkle_core.train.grpo import GRPORecipe
 from twinkle_core.train.recipe import SFTRecipe
+from twinkle_core.entry import finish_worker
 
 
 # InfoNCE with the other ranks' embeddings detached (Twinkle's gather): shown to differ from one process.
@@ -154,4 +155,4 @@ def main(config_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    finish_worker(main(*sys.argv[1:]))

@@ -32,6 +32,7 @@ from twinkle_core.hashing import hash_json
 from twinkle_core.models import TransformersModel
 from twinkle_core.objectives.preference import MEAN_LOGPS, sequence_logps
 from twinkle_core.paths import cache_dir
+from twinkle_core.entry import finish_worker
 
 logger = logging.getLogger(__name__)
 
@@ -152,4 +153,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish_worker(main())

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from twinkle_core.data import load_rows
 from twinkle_core.data.pairs import encode_text_ids
 from twinkle_core.embedding.settings import EmbeddingSettings
-from twinkle_core.entry import worker_config_path
+from twinkle_core.entry import finish_worker, worker_config_path
 from twinkle_core.objectives.infonce import embed
 
 logger = logging.getLogger(__name__)
@@ -115,4 +115,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    raise SystemExit(main())
+    finish_worker(main())

@@ -21,6 +21,7 @@ from twinkle_core.data import load_tokenized
 from twinkle_core.evaluate.run import load_model
 from twinkle_core.rl.rewards import RewardSet
 from twinkle_core.rl.sampler import PolicySampler, SamplingSettings
+from twinkle_core.entry import finish_worker
 
 logger = logging.getLogger(__name__)
 
@@ -81,4 +82,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish_worker(main())

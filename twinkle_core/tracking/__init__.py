@@ -2,7 +2,14 @@
 
 The registry helpers import mlflow (about 1.3 s); they load on first use, so the training and evaluation
 workers, which only log through MetricsLogger (itself lazy), start without it.
+
+MLflow's usage telemetry is off unless MLFLOW_DISABLE_TELEMETRY is set: runs are offline by default, and
+its sender thread tries the network from every process that logs (and holds the process at exit).
 """
+import os
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read when the first client starts
+
 from twinkle_core.tracking.links import LOSS_CURVE, artifact_url, mlflow_ui_url, plot_loss_curve, run_url
 from twinkle_core.tracking.logger import MetricsLogger, redact, tracking_uri
 

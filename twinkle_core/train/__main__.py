@@ -1,7 +1,6 @@
 """Entry point: `python -m twinkle_core.train RUN_CONFIG.json` (torchrun starts it in each worker)."""
-import sys
-
+from twinkle_core.entry import finish_worker
 from twinkle_core.train.recipe import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish_worker(main())

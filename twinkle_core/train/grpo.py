@@ -21,7 +21,7 @@ import time
 import torch
 
 from twinkle_core.data.encode import IGNORE_INDEX
-from twinkle_core.entry import worker_config_path
+from twinkle_core.entry import finish_worker, worker_config_path
 from twinkle_core.objectives.grpo import completion_logps, rollout_options
 from twinkle_core.parallel import local_micro_batches, world_size_from_env
 from twinkle_core.rl.grpo import group_advantages
@@ -145,4 +145,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    finish_worker(main())

@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 
 from twinkle_core.data import collate, load_tokenized
-from twinkle_core.entry import worker_config_path
+from twinkle_core.entry import finish_worker, worker_config_path
 from twinkle_core.models.backends import get_backend
 from twinkle_core.parallel import is_main_process, local_micro_batches, world_size_from_env
 from twinkle_core.tracking import MetricsLogger
@@ -194,6 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())
+    finish_worker(main())

@@ -23,7 +23,7 @@ from twinkle_core.config.fields import (CheckpointEvery, DocumentMasks, EvalBatc
                                         MicroBatchSize, MixedPrecisionMode, ModelId, ModelLoadFields, OptimizerFields,
                                         VirtualPipelineStages)
 from twinkle_core.data.pretrain import PackedSplit
-from twinkle_core.entry import worker_config_path
+from twinkle_core.entry import finish_worker, worker_config_path
 from twinkle_core.parallel import ParallelConfig, is_main_process, world_size_from_env
 from twinkle_core.perf import StepPerf
 from twinkle_core.tracking import MetricsLogger
@@ -166,6 +166,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # dist_checkpointing's helper processes re-import the entry module
-    import sys
-
-    sys.exit(main())
+    finish_worker(main())

@@ -1,6 +1,6 @@
 """A tiny Qwen2.5-VL trains on image rows through TransformersModel: frozen parts stay fixed, LoRA stays on the
-language model, the image reaches the loss, bf16 and fp16 train it. Qwen3-VL, Qwen 3.5 VL and InternVL: labels,
-media in the loss, a full checkpoint's reload."""
+language model, the image reaches the loss, bf16 and fp16 train it. Every VL family: labels, media in the loss,
+a full checkpoint's reload."""
 from __future__ import annotations
 
 import math
@@ -134,12 +134,12 @@ def test_bf16_and_fp16_train_lora_and_full(model_dir, rows, fp32_loss, precision
     assert all(math.isfinite(loss) for loss in losses), losses
     if precision == "fp16":
         assert losses[1] == losses[0], losses  # the scaled first step overflowed and was skipped
-    assert losses[-1] < losses[0] - 0.5, losses  # measured drops 0.63 to 0.90
+    assert losses[-1] < losses[0] - 0.5, losses  # measured drops 0.73 to 0.90
 
 
 # family: (builder, image side in pixels, with a video row)
-FAMILIES = {"qwen3_vl": (save_tiny_qwen3_vl, 64, True), "qwen3_5_vl": (save_tiny_qwen3_5_vl, 64, True),
-            "internvl2_5": (save_tiny_internvl, 56, False)}
+FAMILIES = {"qwen2_5_vl": (save_tiny_qwen2_5_vl, 56, True), "qwen3_vl": (save_tiny_qwen3_vl, 64, True),
+            "qwen3_5_vl": (save_tiny_qwen3_5_vl, 64, True), "internvl2_5": (save_tiny_internvl, 56, False)}
 
 
 def _family_rows(folder, side: int, video: bool) -> list[dict]:
@@ -162,10 +162,9 @@ def _logits(model, batch) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_each_family_labels_the_reply_its_media_reach_the_loss_and_a_full_checkpoint_reloads(family, tmp_path):
-    """Qwen3-VL, Qwen 3.5 VL and InternVL (Qwen2.5-VL: the tests above and tests/data/test_vision_encode.py):
-    the labels are exactly the assistant's text, one changed pixel value of an image (and of a video) changes
-    the loss, and a fully trained checkpoint with its vision tower unfrozen, reloaded on its own, encodes the
-    rows the same way and gives the same logits."""
+    """Every family: the labels are exactly the assistant's text, one changed pixel value of an image (and of a
+    video) changes the loss, and a fully trained checkpoint with its vision tower unfrozen, reloaded on its own,
+    encodes the rows the same way and gives the same logits."""
     save, side, video = FAMILIES[family]
     model_dir = save(tmp_path / family)
     options = {"freeze_vision": False, "freeze_aligner": False}

@@ -62,6 +62,9 @@ GRPO = dict(objective="grpo", objective_options={
 # (vision tower and merger frozen, the default). SGD, as for InfoNCE.
 VISION = dict(objective="vision_lm", use_lora=True, batch_size=3, gradient_accumulation_steps=2, max_steps=4,
               optimizer="SGD", lr=0.5)
+# Full fine-tuning with the vision tower and the merger unfrozen: every weight of the model trains (SGD, lr 0.1).
+VISION_FULL = dict(VISION, use_lora=False, lr=0.1,
+                   objective_options={"freeze_vision": False, "freeze_aligner": False})
 VISION_ROWS = [("What colour is it?", "It is red.", [("red", 56)]),
                ("Colour?", "Green.", [("green", 28)]),
                ("What colours are these two?", "Blue, then white.", [("blue", 56), ("white", 28)]),
@@ -140,6 +143,8 @@ RUNS: dict[str, tuple[int, str, dict]] = {
     "ddp_vl": (2, "qwen_vl", dict(VISION, parallel=dict(dp_size=2))),
     "native_fsdp_vl": (2, "qwen_vl", dict(VISION, parallel=dict(strategy="native_fsdp"))),
     "accelerate_fsdp_vl": (2, "qwen_vl", dict(VISION, parallel=dict(strategy="accelerate"))),
+    "single_vl_full": (1, "qwen_vl", dict(VISION_FULL)),
+    "native_fsdp_vl_full": (2, "qwen_vl", dict(VISION_FULL, parallel=dict(strategy="native_fsdp"))),
 }
 
 

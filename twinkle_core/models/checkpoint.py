@@ -7,6 +7,7 @@ unsharded weights on rank 0 (all ranks take part), and rank 0 writes them with `
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from twinkle_core.atomic import atomic_dir
 
 logger = logging.getLogger(__name__)
 ADAPTER_CONFIG = "adapter_config.json"
+# How a vision-language checkpoint turns images into pixels (sizes, normalisation): a full checkpoint needs them.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 
 
 def gather_full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
@@ -43,8 +46,9 @@ def gather_full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict
 
 
 def save_checkpoint(model: torch.nn.Module, tokenizer: Any, target: Path, adapter_name: str | None,
-                    state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write `target`; `state_dict` (from gather_full_state_dict) replaces the model's own weights."""
+                    state_dict: dict[str, torch.Tensor] | None = None, source: Path | None = None) -> Path:
+    """Write `target`; `state_dict` (from gather_full_state_dict) replaces the model's own weights. A full
+    checkpoint takes the processor files of `source` (the loaded checkpoint), so it encodes media as that did."""
     with atomic_dir(target) as tmp:
         if adapter_name is not None:
             # A plain PEFT directory (adapter_config.json + adapter_model.safetensors) for this adapter.
@@ -56,6 +60,9 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: Any, target: Path, adapte
                 nested.rmdir()
         else:
             model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+            for name in PROCESSOR_FILES if source is not None else ():
+                if (Path(source) / name).is_file():
+                    shutil.copy2(Path(source) / name, tmp / name)
         tokenizer.save_pretrained(tmp)
     logger.info("saved %s to %s", "adapter " + adapter_name if adapter_name else "full model", target)
     return target

@@ -343,10 +343,11 @@ class TransformersModel:
         """
         target = Path(output_dir) / name
         if not self.parallel.is_distributed:
-            return save_checkpoint(self.model, self.tokenizer, target, self.adapter_name)
+            return save_checkpoint(self.model, self.tokenizer, target, self.adapter_name, source=Path(self.path))
         state = gather_full_state_dict(self.model, trainable_only=self.adapter_name is not None)
         if is_main_process():
-            save_checkpoint(self.model, self.tokenizer, target, self.adapter_name, state_dict=state)
+            save_checkpoint(self.model, self.tokenizer, target, self.adapter_name, state_dict=state,
+                            source=Path(self.path))
         barrier()  # no rank returns before the checkpoint exists
         return target
 

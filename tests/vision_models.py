@@ -120,10 +120,16 @@ PIXELS3 = (64 * 64, 64 * 64)
 
 
 def _qwen3_preprocessor(directory: Path) -> None:
+    """Image and video settings as Qwen3-VL checkpoints ship them; the video budget counts the whole clip
+    (frames x height x width): up to 8 frames of 64x64 keep their size."""
+    settings = {"patch_size": PATCH3, "merge_size": MERGE, "temporal_patch_size": 2,
+                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
     (Path(directory) / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": PATCH3, "merge_size": MERGE,
-        "temporal_patch_size": 2, "size": {"shortest_edge": PIXELS3[0], "longest_edge": PIXELS3[1]},
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+        "image_processor_type": "Qwen2VLImageProcessor", **settings,
+        "size": {"shortest_edge": PIXELS3[0], "longest_edge": PIXELS3[1]}}))
+    (Path(directory) / "video_preprocessor_config.json").write_text(json.dumps({
+        "video_processor_type": "Qwen3VLVideoProcessor", **settings,
+        "size": {"shortest_edge": PIXELS3[0], "longest_edge": 8 * 64 * 64}}))
 
 
 def save_tiny_qwen3_vl(directory: Path, seed: int = 0) -> Path:

@@ -7,9 +7,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from vision_models import qwen_vl_tokenizer, save_tiny_qwen2_5_vl, tiny_qwen2_5_vl, write_image, write_video
+from transformers import AutoTokenizer
+from vision_models import (qwen_vl_tokenizer, save_tiny_qwen2_5_vl, save_tiny_qwen3_vl, tiny_qwen2_5_vl, write_image,
+                           write_video)
 
 from twinkle_core.data import get_row_format, load_tokenized, tokenize_dataset
+from twinkle_core.data.vision_encode import MediaOptions
 
 ROW_FORMAT = get_row_format("vision_chat")
 
@@ -190,3 +193,21 @@ def test_held_out_rows_become_image_prompts_for_generation(tmp_path, processor):
     text = processor.tokenizer.decode(example["input_ids"])
     assert text.endswith("<|vision_end|>What colour?<|im_end|>\n<|im_start|>assistant\n")
     assert example["mm_token_type_ids"].count(1) == 4 and example["image_grid_thw"] == [[1, 4, 4]]
+
+
+def test_qwen3_videos_take_the_video_config_and_the_pixel_budget_of_the_whole_clip(tmp_path):
+    """As the stock Qwen3VLVideoProcessor: video_preprocessor_config.json's sizes, compared with frames x height
+    x width (checked against it with torchvision in bench/check_video_processor.py); images keep their own."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    model_dir = save_tiny_qwen3_vl(tmp_path / "qwen3")
+    config = json.loads((model_dir / "video_preprocessor_config.json").read_text())
+    config["size"]["longest_edge"] = 2 * 64 * 64  # two 64x64 frames' worth for the whole clip
+    (model_dir / "video_preprocessor_config.json").write_text(json.dumps(config))
+    processor = ROW_FORMAT.load_encoder(AutoTokenizer.from_pretrained(model_dir), model_dir)
+    frames = np.random.default_rng(0).integers(0, 256, (5, 64, 64, 3), dtype=np.uint8)
+    pixels, grid = processor.frames(frames, MediaOptions())
+    height, width = smart_resize(5, 64, 64, temporal_factor=2, factor=32, min_pixels=64 * 64, max_pixels=2 * 64 * 64)
+    assert (height, width) == (32, 32) and grid == [3, 2, 2] and pixels.shape == (12, 3 * 2 * 16 * 16)
+    image = processor.images([Image.fromarray(frames[0])], MediaOptions())
+    assert image.extras["image_grid_thw"] == [[1, 4, 4]]  # 64x64 within the image limits

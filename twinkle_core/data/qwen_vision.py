@@ -5,7 +5,10 @@ The stock `Qwen2_5_VLProcessor` cannot be built without torchvision (its video p
 images go through `Qwen2VLImageProcessorPil` (the checkpoint's resize, rescale and normalisation) and decoded
 video frames through the same resize and normalisation, then `patchify_frames`, which lays them out as the
 stock video processor does: frames in groups of `temporal_patch_size`, each merge window's patches adjacent.
-A medium stands for `<|vision_start|>`, one pad token per merged patch, `<|vision_end|>`.
+Videos take the checkpoint's video_preprocessor_config.json where it has one (Qwen3-VL's video sizes and
+normalisation differ from its images'), as the stock video processor does. A medium stands for
+`<|vision_start|>`, one pad token per merged patch, `<|vision_end|>`. `bench/check_video_processor.py`
+compares all of this with the stock video processors where torchvision imports.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from .vision_encode import IMAGE, VIDEO, MediaInputs, MediaOptions, read_preprocessor_config, register_vision_processor
+
+VIDEO_CONFIG = "video_preprocessor_config.json"
 
 QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_5")  # transformers 5.24 maps both to Qwen2VLImageProcessorPil too
@@ -33,9 +38,10 @@ class QwenVisionProcessor:
 
     extra_keys = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
-    def __init__(self, tokenizer, image_processor):
+    def __init__(self, tokenizer, image_processor, video_processor=None):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
+        self.video_processor = video_processor or image_processor
         self.tokens = {IMAGE: "<|image_pad|>", VIDEO: "<|video_pad|>"}
         self.start, self.end = "<|vision_start|>", "<|vision_end|>"
         missing = [t for t in (*self.tokens.values(), self.start, self.end)
@@ -49,8 +55,8 @@ class QwenVisionProcessor:
     def merge(self) -> int:
         return self.image_processor.merge_size
 
-    def _size(self, options: MediaOptions) -> dict:
-        size = dict(self.image_processor.size)
+    def _size(self, options: MediaOptions, processor=None) -> dict:
+        size = dict((processor or self.image_processor).size)
         if options.min_pixels is not None:
             size["shortest_edge"] = options.min_pixels
         if options.max_pixels is not None:
@@ -73,7 +79,7 @@ class QwenVisionProcessor:
             pixels, grid = self.frames(video.frames, options)
             patches.append(pixels)
             grids.append(grid)
-            seconds.append(self.image_processor.temporal_patch_size / video.sampled_fps)
+            seconds.append(self.video_processor.temporal_patch_size / video.sampled_fps)
         return MediaInputs(np.concatenate(patches), [int(np.prod(g)) for g in grids],
                            [self._video_text(g, video) for g, video in zip(grids, videos)],
                            {"video_grid_thw": grids, "second_per_grid_ts": seconds})
@@ -82,16 +88,26 @@ class QwenVisionProcessor:
         """Qwen2(.5)-VL: one run of pad tokens for the whole video (its times ride on second_per_grid_ts)."""
         return self._text(VIDEO, grid)
 
+    def clip_size(self, frames: np.ndarray, size: dict) -> tuple[int, int] | None:
+        """One (height, width) for every frame of a clip, or None: Qwen2(.5)-VL sizes each frame as an image."""
+        return None
+
     def frames(self, frames: np.ndarray, options: MediaOptions) -> tuple[np.ndarray, list[int]]:
         """Patches and grid of one video's frames [T, H, W, 3], in the stock video processor's layout."""
+        from transformers.image_processing_backends import PilBackend
         from transformers.image_utils import SizeDict
 
-        proc = self.image_processor
+        proc = self.video_processor
         patch, temporal = proc.patch_size, proc.temporal_patch_size
-        size = SizeDict(**self._size(options))
+        size = self._size(options, proc)
+        fixed = self.clip_size(frames, size)
         prepared = []
         for frame in frames:
-            image = proc.resize(proc.process_image(frame), size=size, resample=proc.resample, factor=patch * self.merge)
+            image = proc.process_image(frame)
+            if fixed is None:
+                image = proc.resize(image, size=SizeDict(**size), resample=proc.resample, factor=patch * self.merge)
+            else:  # the plain resize to a given size (Qwen2VLImageProcessorPil.resize would smart-resize again)
+                image = PilBackend.resize(proc, image, SizeDict(height=fixed[0], width=fixed[1]), resample=proc.resample)
             image = proc.normalize(proc.rescale(image, proc.rescale_factor), proc.image_mean, proc.image_std)
             prepared.append(np.asarray(image, dtype=np.float32))
         clip = np.stack(prepared)  # [T, C, H, W]
@@ -106,10 +122,21 @@ class Qwen3VisionProcessor(QwenVisionProcessor):
     as the stock `Qwen3VLProcessor` writes it: `<0.5 seconds><|vision_start|><|video_pad|>...<|vision_end|>`.
     Their rope index splits `video_grid_thw` into one grid per frame group to match. The timestamp of a group
     is the mean time of its first and last frame (their presentation times; else frame i at i / sampled_fps),
-    and the copies of the last frame that fill the last group count at that frame's time."""
+    and the copies of the last frame that fill the last group count at that frame's time.
+    A clip's frames share one size, from the pixel budget of the whole clip (frames x height x width against
+    min / max pixels), as the stock Qwen3-VL video processor sizes them."""
+
+    def clip_size(self, frames: np.ndarray, size: dict) -> tuple[int, int]:
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+        proc = self.video_processor
+        # a clip shorter than one frame group is filled up to it, so it is sized as one group
+        return smart_resize(max(len(frames), proc.temporal_patch_size), frames.shape[1], frames.shape[2],
+                            temporal_factor=proc.temporal_patch_size, factor=proc.patch_size * self.merge,
+                            min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
 
     def _video_text(self, grid: list[int], video) -> str:
-        temporal, last = self.image_processor.temporal_patch_size, len(video.frames) - 1
+        temporal, last = self.video_processor.temporal_patch_size, len(video.frames) - 1
         times = video.times or tuple(i / video.sampled_fps for i in range(last + 1))
         per_group = grid[1] * grid[2] // self.merge ** 2
         text = ""
@@ -121,17 +148,21 @@ class Qwen3VisionProcessor(QwenVisionProcessor):
 
 
 def load_qwen_vision_processor(tokenizer, model_dir: Path, config: dict) -> QwenVisionProcessor:
-    """Its preprocessor_config.json, else the config's vision settings with the image processor's defaults."""
+    """Its preprocessor_config.json, else the config's vision settings with the image processor's defaults;
+    for videos its video_preprocessor_config.json over those, where it has one."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     vision = config.get("vision_config") or {}
     settings = {key: vision[key] for key in ("patch_size", "temporal_patch_size") if key in vision}
     if "spatial_merge_size" in vision:
         settings["merge_size"] = vision["spatial_merge_size"]
-    settings.update(read_preprocessor_config(model_dir, (
-        "patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "image_mean", "image_std", "size")))
+    keys = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "image_mean", "image_std",
+            "size")
+    image = {**settings, **read_preprocessor_config(model_dir, keys)}
+    video = read_preprocessor_config(model_dir, keys, VIDEO_CONFIG)
     cls = Qwen3VisionProcessor if config.get("model_type") in QWEN3_VL_TYPES else QwenVisionProcessor
-    return cls(tokenizer, Qwen2VLImageProcessorPil(**settings))
+    return cls(tokenizer, Qwen2VLImageProcessorPil(**image),
+               Qwen2VLImageProcessorPil(**{**image, **video}) if video else None)
 
 
 register_vision_processor(QWEN_VL_TYPES + QWEN3_VL_TYPES, load_qwen_vision_processor)

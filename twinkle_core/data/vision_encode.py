@@ -71,9 +71,9 @@ def load_vision_processor(tokenizer, model_dir: Path):
     return _PROCESSORS[model_type](tokenizer, model_dir, config)
 
 
-def read_preprocessor_config(model_dir: Path, keys: tuple[str, ...]) -> dict:
-    """The listed settings of a checkpoint's preprocessor_config.json (empty without one)."""
-    path = model_dir / "preprocessor_config.json"
+def read_preprocessor_config(model_dir: Path, keys: tuple[str, ...], name: str = "preprocessor_config.json") -> dict:
+    """The listed settings of a checkpoint's preprocessor_config.json, or of `name` (empty without one)."""
+    path = model_dir / name
     saved = json.loads(path.read_text()) if path.is_file() else {}
     return {key: saved[key] for key in keys if key in saved}
 

@@ -156,3 +156,20 @@ def test_torchrun_failures_report_the_worker_error_not_the_launcher(tmp_path):
         run_streaming(cmd, lambda line: None, env={"PYTHONPATH": str(tmp_path)})
     assert "RuntimeError: tokenizer has no pad token" in str(err.value)
     assert "ChildFailedError" not in str(err.value)
+
+
+def test_the_error_reported_is_the_failing_rank_s_not_that_of_a_peer_left_in_a_collective():
+    """Ranks print their tracebacks at once (interleaved lines) and the rank left waiting fails second with a
+    closed connection; the report names the first rank's error whatever the order of the lines."""
+    from collections import deque
+
+    from twinkle_core.launch import _error_summary
+
+    lines = ["[rank1]: Traceback (most recent call last):", "[rank0]: Traceback (most recent call last):",
+             "[rank1]:   File \"recipe.py\", line 12, in train", "[rank0]:   File \"recipe.py\", line 10, in train",
+             "[rank0]: ValueError: rank 0 failed on purpose",
+             "[rank1]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:25474.",
+             "W1205 api.py:1028] Sending process 28598 closing signal SIGTERM"]
+    assert _error_summary(deque(lines)).splitlines() == [lines[1], lines[3], lines[4]]
+    for order in (lines, lines[1:2] + lines[3:5] + lines[0:1] + lines[2:3] + lines[5:]):
+        assert _error_summary(deque(order)).endswith("ValueError: rank 0 failed on purpose")

@@ -120,16 +120,28 @@ def _kill_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 
 _LAUNCHER_FRAMES = ("torch/distributed/run.py", "torch/distributed/launcher", "ChildFailedError")
+# A rank whose peer died fails in its collective with one of these: the peer's own error is the cause.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited", "Broken pipe")
 
 
 def _error_summary(tail: deque) -> str:
-    """The worker's own error: its last traceback, not torchrun's report about it; else the last lines."""
-    lines = list(tail)
-    starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
-    blocks = [lines[a:b] for a, b in zip(starts, starts[1:] + [len(lines)])]
+    """The worker's own error: its last traceback, not torchrun's report about it and not that of a rank
+    which failed only because a peer died; else the last lines. Ranks print at once, so a traceback is the
+    lines carrying its rank's prefix ("[rank1]: ")."""
+    lines, marker = list(tail), "Traceback (most recent call last)"
+    blocks = []
+    for start in [i for i, line in enumerate(lines) if marker in line]:
+        prefix, block = lines[start].split(marker)[0], [lines[start]]
+        for line in lines[start + 1:]:
+            if line.startswith(prefix):
+                if marker in line:
+                    break
+                block.append(line)
+        blocks.append(block)
     worker = [b for b in blocks if not any(frame in line for line in b for frame in _LAUNCHER_FRAMES)]
+    causes = [b for b in worker if not any(mark in line for line in b for mark in _PEER_GONE)]
     if worker:
-        return "\n".join(worker[-1][:60])
+        return "\n".join((causes or worker)[-1][:60])
     launcher_start = next((a for a, b in zip(starts, blocks) if b not in worker), len(lines))
     return "\n".join(lines[max(0, launcher_start - 20):launcher_start] or lines[-20:])
 

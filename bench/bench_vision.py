@@ -1,6 +1,6 @@
 """Vision-language training throughput and memory: TransformersModel (vision_lm) vs HF Trainer, Qwen2.5-VL.
 
-    python bench/bench_vision.py                       # 50 measured steps of 8 rows after 5, 3 repeats (~3 min, 2 cores)
+    python bench/bench_vision.py                       # 50 measured steps of 8 rows after 5, 3 repeats each
     python bench/bench_vision.py --steps 3 --warmup 1 --repeats 1
     python bench/bench_vision.py --model-id ms://Qwen/Qwen2.5-VL-3B-Instruct --max-pixels 200704
 

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run run-embedding run-dpo run-grpo test test-fast bench bench-embedding bench-dpo clean
+.PHONY: install run run-embedding run-dpo run-grpo test test-fast bench bench-embedding bench-dpo bench-vision clean
 
 install: $(STAMP)
 
@@ -54,6 +54,9 @@ bench-embedding: install
 
 bench-dpo: install
 	$(BIN)/python bench/bench_dpo.py
+
+bench-vision: install
+	$(BIN)/python bench/bench_vision.py
 
 clean:
 	rm -rf runs mlflow.db mlartifacts

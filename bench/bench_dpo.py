@@ -191,19 +191,13 @@ def run_trl(path: str, rows: list[dict], args) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
+    from hf_clock import StepClock
 
-    step_tokens, losses, begins, ends = [], [], [], []
+    step_tokens, losses = [], []
 
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args_, state, control, **kw):
-            sync()
-            begins.append(time.perf_counter())
-
-        def on_step_end(self, args_, state, control, **kw):
-            sync()
-            ends.append(time.perf_counter())
+    clock = StepClock(sync)  # the begin and end of every step
 
     class Recorded(DPOTrainer):
         """DPOTrainer that notes the non-padding tokens and the loss of each step it trains."""
@@ -229,12 +223,12 @@ def run_trl(path: str, rows: list[dict], args) -> dict:
             precompute_ref_log_probs=False, disable_dropout=True, pad_to_multiple_of=None,
         )
         trainer = Recorded(model=model, ref_model=None, args=config, train_dataset=dataset, processing_class=tokenizer,
-                           peft_config=LoraConfig(task_type="CAUSAL_LM", **LORA), callbacks=[Clock()])
+                           peft_config=LoraConfig(task_type="CAUSAL_LM", **LORA), callbacks=[clock])
         if len(trainer.train_dataset) != len(rows):
             raise SystemExit(f"trl dropped {len(rows) - len(trainer.train_dataset)} rows (prompt >= max_length)")
         trainer.train()
-    step_seconds = [end - begin for begin, end in zip(begins, ends)]
-    span = ends[-1] - (ends[args.warmup - 1] if args.warmup else begins[0])
+    step_seconds = clock.step_seconds
+    span = clock.ends[-1] - (clock.ends[args.warmup - 1] if args.warmup else clock.begins[0])
     return summary(step_seconds, step_tokens, span, args.warmup, losses, args.batch_size)
 
 

@@ -185,9 +185,9 @@ def run_ours(path: str, rows: list[dict], args, profile: bool = False) -> dict:
 def run_sentence_transformers(path: str, rows: list[dict], args) -> dict:
     import torch
     from torch.utils.data import SequentialSampler
-    from transformers import TrainerCallback
 
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from hf_clock import StepClock
     try:
         from sentence_transformers.base.sampler import DefaultBatchSampler
         from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
@@ -202,20 +202,13 @@ def run_sentence_transformers(path: str, rows: list[dict], args) -> dict:
     model = SentenceTransformer(path, device="cuda" if torch.cuda.is_available() else "cpu")
     model.max_seq_length = args.max_length
     loss = MultipleNegativesRankingLoss(model, scale=1.0 / TEMPERATURE)
-    step_tokens, losses, begins, ends = [], [], [], []
+    step_tokens, losses = [], []
     # The tokens each step trained on: non-padding tokens of every column's features, as the loss sees them.
     loss.register_forward_pre_hook(
         lambda module, inputs: step_tokens.append(sum(int(f["attention_mask"].sum()) for f in inputs[0])))
     loss.register_forward_hook(lambda module, inputs, output: losses.append(float(output.detach())))
 
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args_, state, control, **kw):
-            sync()
-            begins.append(time.perf_counter())
-
-        def on_step_end(self, args_, state, control, **kw):
-            sync()
-            ends.append(time.perf_counter())
+    clock = StepClock(sync)  # the begin and end of every step
 
     def in_order(dataset, batch_size, drop_last, valid_label_columns=None, generator=None, seed=0):
         """The default batch sampler class (BatchSamplers.BATCH_SAMPLER) without its shuffling."""
@@ -234,10 +227,10 @@ def run_sentence_transformers(path: str, rows: list[dict], args) -> dict:
             dataloader_num_workers=0, seed=0, batch_sampler=in_order,
         )
         trainer = SentenceTransformerTrainer(model=model, args=training_args, train_dataset=dataset, loss=loss,
-                                             callbacks=[Clock()])
+                                             callbacks=[clock])
         trainer.train()
-    step_seconds = [end - begin for begin, end in zip(begins, ends)]
-    span = ends[-1] - (ends[args.warmup - 1] if args.warmup else begins[0])
+    step_seconds = clock.step_seconds
+    span = clock.ends[-1] - (clock.ends[args.warmup - 1] if args.warmup else clock.begins[0])
     return summary(step_seconds, step_tokens, span, args.warmup, losses)
 
 

@@ -118,7 +118,8 @@ def run_ours(model_dir: str, training: str, data: list[dict]) -> tuple[list[floa
 def run_hf(model_dir: str, training: str, data: list[dict]) -> tuple[list[float], list[float], int]:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
+    from hf_clock import StepClock
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     if training == "lora":
@@ -126,16 +127,9 @@ def run_hf(model_dir: str, training: str, data: list[dict]) -> tuple[list[float]
                   if isinstance(module, torch.nn.Linear) and name.startswith("model.visual.")]
         torch.manual_seed(0)
         model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", exclude_modules=vision, **LORA))
-    begins, ends, losses = [], [], []
+    losses = []
 
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args_, state, control, **kw):
-            sync()
-            begins.append(time.perf_counter())
-
-        def on_step_end(self, args_, state, control, **kw):
-            sync()
-            ends.append(time.perf_counter())
+    clock = StepClock(sync)  # the begin and end of every step
 
     class Recorded(Trainer):
         def training_step(self, model_, inputs, *rest, **kw):
@@ -152,9 +146,9 @@ def run_hf(model_dir: str, training: str, data: list[dict]) -> tuple[list[float]
             remove_unused_columns=False, train_sampling_strategy="sequential")
         # One item is one of our collated batches; the collator hands it over as it is.
         trainer = Recorded(model=model, args=config, train_dataset=data, data_collator=lambda items: items[0],
-                           callbacks=[Clock()])
+                           callbacks=[clock])
         trainer.train()
-    return [end - begin for begin, end in zip(begins, ends)], losses, trainable(model)
+    return clock.step_seconds, losses, trainable(model)
 
 
 def one(args) -> None:

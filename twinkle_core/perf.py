@@ -149,7 +149,7 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
         b = torch.randn(size, size, device=device, generator=generator).to(dtype)
         if seconds(a, b, 1) > 0.1:  # also the warm-up: thread pools, kernel selection
             break
-    best = min(seconds(a, b, per_timing) for _ in range(5))
+    best = min(seconds(a, b, per_timing) for _ in range(3))
     return 2.0 * size**3 * per_timing / best
 
 
@@ -186,8 +186,13 @@ class StepPerf:
         self.world_size = world_size
         self.data_parallel_size = world_size if data_parallel_size is None else data_parallel_size
         self.flops_per_token = model_flops_per_token(config, seq_len, lora_params, auto_class)
-        self.peak = peak if peak is not None else peak_flops(self.device, dtype)
+        self.dtype, self._peak = dtype, peak
         self.peak_source = "given" if peak is not None else peak_flops_source(self.device, dtype)
+
+    @functools.cached_property
+    def peak(self) -> float:
+        """Looked up (or measured: ~1 s on a CPU core) on first use, so ranks that report nothing skip it."""
+        return self._peak if self._peak is not None else peak_flops(self.device, self.dtype)
 
     def describe(self) -> dict:
         """The constants behind the MFU, for a one-off setup event."""

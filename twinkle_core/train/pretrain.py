@@ -85,7 +85,8 @@ class PretrainRecipe:
         self.perf = StepPerf(AutoConfig.from_pretrained(self.model.hf_dir), self.train_split.seq_length,
                              self.model.device, world_size_from_env(), self.model.precision.compute_dtype,
                              data_parallel_size=dp)
-        emit("perf", **self.perf.describe())
+        if is_main_process():  # the only rank that reports: the others never measure the peak
+            emit("perf", **self.perf.describe())
         self.start_step = self._resume()
         if self.start_step == 0:
             self.base_loss = self.evaluate()
@@ -125,7 +126,8 @@ class PretrainRecipe:
             self.model.clip_grad_and_step(max_grad_norm=cfg.max_grad_norm)
             step = self.model.step
             metrics = {k: v for k, v in self.model.calculate_metric().items() if k not in ("step", "skipped")}
-            metrics.update(self.perf.metrics(metrics["tokens_per_s"]))
+            if is_main_process():
+                metrics.update(self.perf.metrics(metrics["tokens_per_s"]))
             self.metrics.log(metrics, step)
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 emit("step", step=step, total=cfg.max_steps, world_size=world_size_from_env(),

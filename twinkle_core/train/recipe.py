@@ -83,7 +83,8 @@ class SFTRecipe:
                              world_size_from_env(), self.model.precision.compute_dtype,
                              lora_params=trainable if cfg.use_lora else None,
                              data_parallel_size=self.model.data_parallel_size, auto_class=self.objective.auto_class)
-        emit("perf", **self.perf.describe())
+        if is_main_process():  # the only rank that reports: the others never measure the peak
+            emit("perf", **self.perf.describe())
         self.start_step = self._resume()  # last: it restores the RNG state that training continues with
 
     def _save_training_state(self) -> None:
@@ -136,7 +137,8 @@ class SFTRecipe:
             step += 1
             metrics = self.model.calculate_metric(is_training=True)
             metrics.pop("step", None)
-            metrics.update(self.perf.metrics(metrics["tokens_per_s"]))
+            if is_main_process():
+                metrics.update(self.perf.metrics(metrics["tokens_per_s"]))
             self.metrics.log(metrics, step)
             if step % cfg.log_every == 0 or step == self.total_steps:
                 emit("step", step=step, total=self.total_steps, world_size=world_size_from_env(),

@@ -125,8 +125,9 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     """The best FLOP/s of a few square matmuls in `dtype`, measured once per process and device.
 
     8192² ×4 per timing on GPU (kernel launches amortised). On CPU the size grows from 256² to 2048² while one
-    matmul takes under 0.1 s: a CPU without bf16 units emulates bf16 ~100x slower than fp32 (~1 GFLOP/s),
-    where a fixed 2048² would take minutes.
+    matmul takes under 0.03 s: a CPU without bf16 units emulates bf16 ~100x slower than fp32 (~1 GFLOP/s),
+    where a fixed 2048² would take minutes. Measured on 2 cores, 1536² reaches 2048²'s rate (85 GFLOP/s on one
+    thread, 173 on two) in 0.04–0.09 s a matmul, so the whole measurement takes ~0.4 s.
     """
     if _dtype_key(dtype) == "fp8":
         raise ValueError(f"dtype={dtype}: no fp8 peak is known for device {device}, and plain matmuls cannot "
@@ -140,14 +141,14 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
         sync()
         return time.perf_counter() - started
 
-    sizes, per_timing = ([8192], 4) if device.type == "cuda" else ([256, 512, 1024, 2048], 1)
+    sizes, per_timing = ([8192], 4) if device.type == "cuda" else ([256, 512, 1024, 1536, 2048], 1)
     # Its own generator: how many sizes are tried depends on the machine's load, and draws from the global
     # one would shift every later dropout mask, so runs with one seed would differ with the load.
     generator = torch.Generator(device=device).manual_seed(0)
     for size in sizes:
         a = torch.randn(size, size, device=device, generator=generator).to(dtype)
         b = torch.randn(size, size, device=device, generator=generator).to(dtype)
-        if seconds(a, b, 1) > 0.1:  # also the warm-up: thread pools, kernel selection
+        if seconds(a, b, 1) > 0.03:  # also the warm-up: thread pools, kernel selection
             break
     best = min(seconds(a, b, per_timing) for _ in range(3))
     return 2.0 * size**3 * per_timing / best

@@ -173,3 +173,14 @@ def test_the_error_reported_is_the_failing_rank_s_not_that_of_a_peer_left_in_a_c
     assert _error_summary(deque(lines)).splitlines() == [lines[1], lines[3], lines[4]]
     for order in (lines, lines[1:2] + lines[3:5] + lines[0:1] + lines[2:3] + lines[5:]):
         assert _error_summary(deque(order)).endswith("ValueError: rank 0 failed on purpose")
+
+
+def test_without_a_worker_traceback_the_report_is_the_lines_before_the_launcher_s():
+    """Only torchrun's own traceback (a worker that died without one): the lines that led up to it."""
+    from collections import deque
+
+    from twinkle_core.launch import _error_summary
+
+    lines = ["rank 0 starts", "Killed", "Traceback (most recent call last):",
+             '  File "torch/distributed/run.py", line 9, in main', "torch.distributed.elastic.ChildFailedError"]
+    assert _error_summary(deque(lines)).splitlines() == ["rank 0 starts", "Killed"]

@@ -129,8 +129,9 @@ def _error_summary(tail: deque) -> str:
     which failed only because a peer died; else the last lines. Ranks print at once, so a traceback is the
     lines carrying its rank's prefix ("[rank1]: ")."""
     lines, marker = list(tail), "Traceback (most recent call last)"
+    starts = [i for i, line in enumerate(lines) if marker in line]
     blocks = []
-    for start in [i for i, line in enumerate(lines) if marker in line]:
+    for start in starts:
         prefix, block = lines[start].split(marker)[0], [lines[start]]
         for line in lines[start + 1:]:
             if line.startswith(prefix):

@@ -1,7 +1,9 @@
 import json
 import shutil
 
+import httpx
 import pytest
+from prefect.server.api.server import SubprocessASGIServer
 from prefect.testing.utilities import prefect_test_harness
 
 from tiny_models import save_tiny_model
@@ -30,8 +32,33 @@ def write_chat_jsonl(path, conversations, repeat=1):
 @pytest.fixture(scope="session")
 def prefect_harness():
     """One temporary Prefect API for the whole session (each one costs ~20 s to start)."""
-    with prefect_test_harness(server_startup_timeout=120):
+    harness = start_prefect_harness()
+    try:
         yield
+    finally:
+        harness.__exit__(None, None, None)
+
+
+def start_prefect_harness(tries=3):
+    """Prefect picks the server's port by binding port 0 and letting it go; until uvicorn binds it, a torchrun
+    or gloo socket of the other xdist worker can take it, and the health check then reads a reset connection
+    (httpx.ReadError, seen once in CI, failing every flow test). Start again on a new port."""
+    for attempt in range(tries):
+        harness = prefect_test_harness(server_startup_timeout=120)
+        try:
+            harness.__enter__()
+            return harness
+        except httpx.TransportError:
+            _stop_failed_server()
+            if attempt == tries - 1:
+                raise
+
+
+def _stop_failed_server():
+    """The harness registers its server before starting it and leaves it there when the start fails."""
+    server = SubprocessASGIServer._instances.pop(None, None)
+    if server is not None:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

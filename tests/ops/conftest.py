@@ -60,16 +60,23 @@ def _stop(proc: subprocess.Popen) -> None:
 def prefect_server(tmp_path_factory):
     """`prefect server start` on a free port; yields its environment (PREFECT_API_URL, home, database)."""
     root = tmp_path_factory.mktemp("prefect-server")
-    port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(root / "home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{root / 'prefect.db'}",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false"}
-    env.pop("PREFECT_API_KEY", None)
-    log = root / "server.log"
-    server = subprocess.Popen([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    for attempt in range(3):  # the free port can be taken (by the other xdist worker's torchrun) before we bind it
+        port = _free_port()
+        env = {**os.environ, "PREFECT_HOME": str(root / "home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+               "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{root / 'prefect.db'}",
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false"}
+        env.pop("PREFECT_API_KEY", None)
+        log = root / "server.log"
+        server = subprocess.Popen([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                  env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_healthy(env["PREFECT_API_URL"], server, log)
+            break
+        except RuntimeError:
+            _stop(server)
+            if attempt == 2:
+                raise
     try:
-        _wait_healthy(env["PREFECT_API_URL"], server, log)
         yield {"env": env, "url": env["PREFECT_API_URL"], "root": root}
     finally:
         _stop(server)

@@ -4,7 +4,8 @@
     python -m flows.export --model models:/NAME@champion --to gguf --output DIR        # DIR/NAME.gguf (F32)
 
 hf-merged: an adapter version is merged into its base; plain AutoModelForCausalLM.from_pretrained(DIR) and
-vLLM load the folder. gguf: Llama-family architectures only (twinkle_core.convert.gguf_export says why
+vLLM load the folder (AutoModelForImageTextToText for a vision-language model: the folder keeps its image and
+video processor files). gguf: Llama-family architectures only (twinkle_core.convert.gguf_export says why
 another is refused); llama.cpp, Ollama and transformers (gguf_file=) read it. No Prefect run is started.
 """
 from __future__ import annotations
@@ -35,7 +36,9 @@ def export(model_uri: str, to: str, output: Path) -> Path:
     if output.exists() and any(output.iterdir()):
         raise UserError(f"--output {str(output)!r} is not empty; give a new or empty folder")
     name, alias = parse_model_uri(model_uri)
-    model, tokenizer = load_registered(name, alias, dtype="auto")
+    # a VL model's folder keeps its image/video processor settings (gguf holds text-only Llama models)
+    processor_files_to = output if to == "hf-merged" else None
+    model, tokenizer = load_registered(name, alias, dtype="auto", processor_files_to=processor_files_to)
     if hasattr(model, "merge_and_unload"):  # an adapter version: fold it into its base
         model = model.merge_and_unload()
     if to == "gguf":  # refuses a non-Llama architecture with the reason

@@ -41,19 +41,20 @@ def train_adapter(base_dir: Path, adapter_dir: Path, steps: int = 35) -> None:
     tokenizer.save_pretrained(adapter_dir)
 
 
-def register_run(root: Path, name: str, register_as: str, eval_loss: float = 1.0) -> dict:
+def register_run(root: Path, name: str, register_as: str, eval_loss: float = 1.0, family: str = "llama") -> dict:
     """One MLflow run (with the tags a flow gives it) and its registration through the register task."""
     client = MlflowClient()
     experiment = client.get_experiment_by_name("tiny") or client.get_experiment(client.create_experiment("tiny"))
     run = client.create_run(experiment.experiment_id, tags={"prefect_flow_run": f"flow-run-{name}"})
     client.log_metric(run.info.run_id, "eval_loss", eval_loss)
-    registration = register_checkpoint(root, name, run.info.run_id, eval_loss, register_as)
+    registration = register_checkpoint(root, name, run.info.run_id, eval_loss, register_as, family)
     return {"run_id": run.info.run_id, **registration}
 
 
-def register_checkpoint(root: Path, name: str, run_id: str, eval_loss: float, register_as: str) -> dict:
+def register_checkpoint(root: Path, name: str, run_id: str, eval_loss: float, register_as: str,
+                        family: str = "llama") -> dict:
     base = ModelRef(model_id=str(root / "base"), path=str(root / "base"), content_hash=hash_tree(root / "base"),
-                    family="llama")
+                    family=family)
     checkpoint = CheckpointRef(path=str(root / "adapter"), is_adapter=True, final_metrics={}, train_seconds=1.0,
                                probe_loss=0.0)
     dataset = DatasetRef(dataset_id="pkg://tiny/chats.jsonl", path=str(root / "chats.jsonl"), content_hash="d" * 64)

@@ -3,7 +3,7 @@ from .datasets import ResolvedDataset, resolve_dataset
 from .errors import HubError, HubUnreachable
 from .ids import ParsedId, is_offline, parse_id
 from .local import id_problems
-from .models import ResolvedModel, check_weight_files, resolve_model
+from .models import ResolvedModel, check_weight_files, copy_processor_files, resolve_model
 
 __all__ = [
     "HubError",
@@ -12,6 +12,7 @@ __all__ = [
     "ResolvedDataset",
     "ResolvedModel",
     "check_weight_files",
+    "copy_processor_files",
     "id_problems",
     "is_offline",
     "parse_id",

@@ -1,6 +1,7 @@
 """Resolve a model id to a local Hugging Face model directory and its content hash."""
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,3 +91,14 @@ def check_weight_files(folder: str | Path, model_id: str, allow_pickle: bool = F
                        "safetensors, or pass --allow-pickle-weights (allow_pickle_weights=True) to load them with "
                        "torch.load(weights_only=True).")
     return "pickle"
+
+
+# A vision-language model's image/video processor settings: save_pretrained does not write them, so every
+# checkpoint, merged model and export copies them from the folder it came from.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
+
+def copy_processor_files(source: str | Path, target: str | Path) -> None:
+    for name in PROCESSOR_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, Path(target) / name)

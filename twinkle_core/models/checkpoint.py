@@ -7,7 +7,6 @@ unsharded weights on rank 0 (all ranks take part), and rank 0 writes them with `
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +15,11 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from twinkle_core.atomic import atomic_dir
+from twinkle_core.hub import copy_processor_files
 
 logger = logging.getLogger(__name__)
 ADAPTER_CONFIG = "adapter_config.json"
 # How a vision-language checkpoint turns images into pixels (sizes, normalisation): a full checkpoint needs them.
-PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
-
-
 def gather_full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
     """Unsharded CPU copies of the weights on rank 0 (an empty dict elsewhere); every rank must call it.
 
@@ -60,9 +57,8 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: Any, target: Path, adapte
                 nested.rmdir()
         else:
             model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-            for name in PROCESSOR_FILES if source is not None else ():
-                if (Path(source) / name).is_file():
-                    shutil.copy2(Path(source) / name, tmp / name)
+            if source is not None:
+                copy_processor_files(source, tmp)
         tokenizer.save_pretrained(tmp)
     logger.info("saved %s to %s", "adapter " + adapter_name if adapter_name else "full model", target)
     return target

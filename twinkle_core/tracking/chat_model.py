@@ -79,20 +79,42 @@ def load_chat_parts(model_dir: str | Path, base_dir: str | Path | None = None, d
 
         if base_dir is None:
             raise ValueError(f"{model_dir} is a LoRA adapter: give the directory of its base model")
-        model = PeftModel.from_pretrained(model_class(base_dir).from_pretrained(base_dir, dtype=dtype), model_dir)
+        base_class = model_class(base_dir, trained_weights=model_dir)
+        model = PeftModel.from_pretrained(base_class.from_pretrained(base_dir, dtype=dtype), model_dir)
     else:
         model = model_class(model_dir).from_pretrained(model_dir, dtype=dtype)
     return model.eval(), AutoTokenizer.from_pretrained(model_dir)
 
 
-def model_class(model_dir: str | Path):
-    """AutoModelForCausalLM, or for a vision-language checkpoint that has no causal-LM class (Qwen2.5-VL,
-    Qwen3-VL, InternVL) AutoModelForImageTextToText: it answers text-only conversations as well."""
+def model_class(model_dir: str | Path, trained_weights: str | Path | None = None):
+    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language checkpoint that has no causal-LM
+    class (Qwen2.5-VL, Qwen3-VL, InternVL: it answers text-only conversations as well).
+
+    A model type with both classes (Qwen 3.5: the text model, or the VL model around it) loads as the class the
+    weights were trained on: the VL class names its text layers `...language_model...`. Loading such an adapter
+    into the text class would match none of its weights, and PEFT would serve the base unchanged."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
     model_type = AutoConfig.from_pretrained(model_dir).model_type
-    return AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForImageTextToText
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and any(
+            ".language_model." in name for name in weight_names(trained_weights or model_dir)):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def weight_names(model_dir: str | Path) -> list[str]:
+    """The tensor names of a safetensors checkpoint or adapter, read from the file headers only."""
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            names += list(handle.keys())
+    return names
 
 
 def prompt_ids(tokenizer, messages: list[dict]):

@@ -17,7 +17,7 @@ from pathlib import Path
 from mlflow import MlflowClient
 
 from twinkle_core.errors import UserError
-from twinkle_core.hub import parse_id
+from twinkle_core.hub import copy_processor_files, parse_id
 from twinkle_core.tracking import chat_model
 
 logger = logging.getLogger(__name__)
@@ -170,6 +170,7 @@ def _merge(adapter_dir: str | Path, base: BaseModelRef, target: Path) -> None:
     model, tokenizer = chat_model.load_chat_parts(adapter_dir, base.path, dtype="auto")
     model.merge_and_unload().save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
+    copy_processor_files(base.path, target)
 
 
 def _point_adapter_at(adapter_dir: Path, base: BaseModelRef) -> None:

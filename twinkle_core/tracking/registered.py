@@ -16,6 +16,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from twinkle_core.errors import UserError
+from twinkle_core.hub import copy_processor_files
 from twinkle_core.tracking import chat_model
 from twinkle_core.tracking.logger import tracking_uri
 
@@ -67,10 +68,15 @@ def download_version(version: ModelVersion, target: str | Path) -> tuple[Path, d
     return local / flavor["artifacts"][chat_model.MODEL_ARTIFACT]["path"], dict(flavor.get("config") or {})
 
 
-def load_registered(name: str, alias: str = "champion", dtype=None):
-    """(model, tokenizer) of a registered version: the PeftModel on its base for an adapter version."""
+def load_registered(name: str, alias: str = "champion", dtype=None, processor_files_to: str | Path | None = None):
+    """(model, tokenizer) of a registered version: the PeftModel on its base for an adapter version.
+    `processor_files_to`: a folder that gets the version's image/video processor files (a VL model's export)."""
     version = find_version(name, alias)
     with tempfile.TemporaryDirectory(prefix="twinkle-registered-") as tmp:
         model_dir, config = download_version(version, tmp)
         base_dir = chat_model.fetch_base(config) if chat_model.is_adapter(model_dir) else None
-        return chat_model.load_chat_parts(model_dir, base_dir, dtype)
+        parts = chat_model.load_chat_parts(model_dir, base_dir, dtype)
+        if processor_files_to is not None:
+            Path(processor_files_to).mkdir(parents=True, exist_ok=True)
+            copy_processor_files(base_dir or model_dir, processor_files_to)
+        return parts

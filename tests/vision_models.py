@@ -12,6 +12,7 @@ from transformers import AutoConfig, GenerationConfig, InternVLForConditionalGen
 from family_models import family_tokenizer
 from tiny_models import make_tiny_tokenizer
 from twinkle_core.data import get_chat_template
+from twinkle_core.hub.internvl import write_processor_settings
 
 PATCH, MERGE = 14, 2
 PIXELS = (56 * 56, 56 * 56)  # min/max pixels: a 56x56 image is 4x4 patches, 4 merged tokens
@@ -111,7 +112,9 @@ def save_tiny_internvl(directory: Path, seed: int = 0) -> Path:
     tokenizer.save_pretrained(directory)
     (Path(directory) / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "GotOcr2ImageProcessor", "size": {"height": TILE, "width": TILE},
-        "crop_to_patches": True, "min_patches": 1, "max_patches": 4}))
+        "crop_to_patches": True, "min_patches": 1, "max_patches": 4,
+        "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}))  # InternVL's (ImageNet)
+    write_processor_settings(Path(directory), config.image_seq_length)  # as a -hf checkpoint has them
     return Path(directory)
 
 

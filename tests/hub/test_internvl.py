@@ -55,6 +55,13 @@ def test_original_internvl_converts_to_the_native_model_exactly(tmp_path, text, 
     assert config["image_seq_length"] == 4 and config["tie_word_embeddings"] is tied
     assert ("lm_head.weight" in load_file(resolved.path / "model.safetensors")) is not tied
     assert family_for_model_dir(resolved.path, vision=True).name == "internvl2_5"
+    # what transformers' InternVLProcessor reads (it needs torchvision to be built; bench/check_stock_processors.py)
+    named = AutoTokenizer.from_pretrained(resolved.path)
+    assert (named.start_image_token, named.end_image_token, named.context_image_token) == ("<img>", "</img>",
+                                                                                           "<IMG_CONTEXT>")
+    assert [named.start_image_token_id, named.end_image_token_id, named.context_image_token_id] == \
+        tokenizer.convert_tokens_to_ids(["<img>", "</img>", "<IMG_CONTEXT>"])
+    assert json.loads((resolved.path / "processor_config.json").read_text())["image_seq_length"] == 4
 
     converted = AutoModelForImageTextToText.from_pretrained(resolved.path)
     expected, actual = native.state_dict(), converted.state_dict()

@@ -17,7 +17,10 @@ What changes (the mapping follows transformers' own conversion script, re-derive
   model (InternVL2_5-8B, -26B) becomes a Llama text model exactly as internlm2.py converts InternLM2 (split
   `wqkv`, renamed `w1/w3/w2`); Qwen2 and Llama language models keep their names.
 - the image processor settings (tile size, min/max tiles) go into preprocessor_config.json for transformers'
-  GotOcr2 image processor, and `image_token_id` is the tokenizer's `<IMG_CONTEXT>`.
+  GotOcr2 image processor, and `image_token_id` is the tokenizer's `<IMG_CONTEXT>`;
+- as in the `-hf` checkpoints, the tokenizer names its media tokens (`start_image_token`, ...) and
+  processor_config.json gives the context tokens per tile, so `AutoProcessor.from_pretrained` (and vLLM)
+  open the folder with transformers' own InternVLProcessor.
 """
 from __future__ import annotations
 
@@ -36,9 +39,14 @@ from .errors import HubError
 log = logging.getLogger(__name__)
 
 # Part of the cache key: bump it when the converted layout changes, so old conversions are not reused.
-_LAYOUT_VERSION = 1
+_LAYOUT_VERSION = 2  # 2: the tokenizer names its media tokens and processor_config.json is written
 
 IMAGE_CONTEXT_TOKEN = "<IMG_CONTEXT>"
+# The tokenizer attributes transformers' InternVLProcessor reads (`AutoProcessor`, and vLLM through it), named
+# as in the `-hf` checkpoints. The image tokens exist in every InternVL tokenizer; `<video>` is added, as the
+# `-hf` conversion adds it (this project trains InternVL on images only).
+NAMED_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": IMAGE_CONTEXT_TOKEN,
+                "video_token": "<video>"}
 _IMAGENET_MEAN, _IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 # Language models the conversion knows, by the llm_config's architecture.
@@ -102,6 +110,7 @@ def convert_internvl_to_native(src: str | Path, dst: str | Path) -> None:
     _convert_weights(src, dst, config, llm_kind)
     config.save_pretrained(dst)
     _write_preprocessor_config(source, config, dst)
+    write_processor_settings(dst, config.image_seq_length)
     if (src / "generation_config.json").is_file():
         shutil.copyfile(src / "generation_config.json", dst / "generation_config.json")
 
@@ -229,13 +238,25 @@ def _image_token_id(dst: Path, src: Path) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(dst)
-    token_id = tokenizer.convert_tokens_to_ids(IMAGE_CONTEXT_TOKEN)
-    if token_id is None or token_id == tokenizer.unk_token_id:
-        raise HubError(
-            f"InternVL checkpoint {str(src)!r}: its tokenizer has no {IMAGE_CONTEXT_TOKEN} token, where image "
-            "features go; download the tokenizer files again"
-        )
-    return token_id
+    for token in (NAMED_TOKENS["start_image_token"], NAMED_TOKENS["end_image_token"], IMAGE_CONTEXT_TOKEN):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise HubError(
+                f"InternVL checkpoint {str(src)!r}: its tokenizer has no {token} token, which marks the image "
+                "features; download the tokenizer files again"
+            )
+    return tokenizer.convert_tokens_to_ids(IMAGE_CONTEXT_TOKEN)
+
+
+def write_processor_settings(model_dir: Path, image_seq_length: int) -> None:
+    """What transformers' InternVLProcessor needs beyond preprocessor_config.json: the tokenizer's named media
+    tokens, and processor_config.json with the context tokens per tile (its default, 256, is InternVL's 448-pixel
+    tiles only)."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(model_dir, extra_special_tokens=NAMED_TOKENS).save_pretrained(model_dir)
+    settings = {"processor_class": "InternVLProcessor", "image_seq_length": int(image_seq_length)}
+    (Path(model_dir) / "processor_config.json").write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def _write_preprocessor_config(source: dict, config, dst: Path) -> None:

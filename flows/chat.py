@@ -3,14 +3,18 @@
     python -m flows.chat --model models:/twinkle-SmolLM2-135M-Instruct.Q4_1@champion     # interactive
     python -m flows.chat --model models:/NAME@champion --message "Who are you?"           # one answer
     python -m flows.chat --model models:/NAME/3 --temperature 0.7                          # a version, sampled
+    python -m flows.chat --model models:/NAME@champion --image cat.png --message "What is this?"  # a VL model
 
 The registry is MLFLOW_TRACKING_URI's (default: mlflow.db in this folder). Greedy unless --temperature > 0.
+`--image` (repeatable) goes with the first question to a vision-language model, encoded as its training rows
+are (twinkle_core.data: the family's image processor and media tokens).
 No Prefect run is started: this is a plain command line over twinkle_core.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from twinkle_core.errors import UserError
 
@@ -22,6 +26,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--system", help="a system prompt before the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="longest answer, in tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; above 0 samples")
+    parser.add_argument("--image", action="append", default=[],
+                        help="an image file for the first question (vision-language models; repeatable)")
     return parser.parse_args(argv)
 
 
@@ -29,11 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import TextStreamer
 
-    from twinkle_core.tracking.chat_model import chat_reply
-    from twinkle_core.tracking.registered import load_registered, parse_model_uri
+    from twinkle_core.data import RowError
+    from twinkle_core.tracking.registered import opened_registered, parse_model_uri
 
+    missing = [image for image in args.image if not Path(image).expanduser().is_file()]
+    if missing:  # before the model loads
+        print(f"chat: --image: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 1
     try:
-        model, tokenizer = load_registered(*parse_model_uri(args.model))
+        with opened_registered(*parse_model_uri(args.model)) as (model, tokenizer, folder):
+            reply = _vision_reply(model, tokenizer, folder, args.model) if args.image else _text_reply(model, tokenizer)
     except UserError as error:
         print(f"chat: {error}", file=sys.stderr)
         return 1
@@ -41,10 +52,48 @@ def main(argv: list[str] | None = None) -> int:
     history = [{"role": "system", "content": args.system}] if args.system else []
     questions = [args.message] if args.message is not None else _typed_questions()
     for question in questions:
-        history.append({"role": "user", "content": question})
-        answer = chat_reply(model, tokenizer, history, args.max_new_tokens, args.temperature, streamer=streamer)
+        images, args.image = [str(Path(image).expanduser().absolute()) for image in args.image], []
+        content = [*({"type": "image", "image": image} for image in images), {"type": "text", "text": question}]
+        history.append({"role": "user", "content": content if images else question})
+        try:
+            answer = reply(history, args.max_new_tokens, args.temperature, streamer)
+        except RowError as error:  # an unreadable image: said before anything streams
+            print(f"chat: --image: {error}", file=sys.stderr)
+            return 1
         history.append({"role": "assistant", "content": answer})
     return 0
+
+
+def _text_reply(model, tokenizer):
+    from twinkle_core.tracking.chat_model import chat_reply
+
+    return lambda messages, *options: chat_reply(model, tokenizer, messages, *options)
+
+
+def _vision_reply(model, tokenizer, folder: Path, model_uri: str):
+    """The answer to a conversation with images, encoded by the model's own vision encoder."""
+    import torch
+
+    from twinkle_core.data import get_row_format
+    from twinkle_core.objectives.vision import accepted_inputs
+
+    row_format = get_row_format("vision_chat")
+    try:
+        encoder = row_format.load_encoder(tokenizer, folder)
+    except ValueError as error:
+        raise UserError(f"--image: {model_uri} is not a vision-language model ({error})") from None
+
+    def reply(messages, max_new_tokens, temperature, streamer):
+        example = row_format.prompt(encoder, messages)
+        batch = accepted_inputs(model, row_format.collate([example], pad_token_id=tokenizer.pad_token_id or 0))
+        inputs = {key: value for key, value in batch.items() if key != "labels"}
+        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=streamer,
+                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
+        return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+    return reply
 
 
 def _typed_questions():

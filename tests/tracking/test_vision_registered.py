@@ -3,7 +3,8 @@
 Qwen 3.5 has two classes over one checkpoint: the text model (AutoModelForCausalLM) and the VL model around it
 (AutoModelForImageTextToText, whose text layers are named `...language_model...`). An adapter trained on the
 VL model, opened on the text class, matches none of its weights: PEFT then serves the base unchanged. The
-merged version and the hf-merged export must keep the vision tower and the image/video processor files.
+merged version and the hf-merged export must keep the vision tower and the image/video processor files, and
+`flows.chat --image` answers about a picture as the trained model does.
 """
 import pytest
 import torch
@@ -11,12 +12,12 @@ from peft import LoraConfig
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
-from flows import export
+from flows import chat, export
 from registered_models import register_run
 from twinkle_core.hub.models import PROCESSOR_FILES
 from twinkle_core.models import TransformersModel
 from twinkle_core.tracking.registered import load_registered
-from vision_models import save_tiny_qwen3_5_vl
+from vision_models import save_tiny_qwen3_5_vl, write_image
 
 IDS = torch.tensor([[3, 5, 7, 9, 11, 13]])  # text-only: what the served chat model receives
 
@@ -83,3 +84,35 @@ def test_hf_merged_export_keeps_the_vision_tower_and_processor_files(vl_store, t
     assert vision and all(torch.equal(exported[k], v) for k, v in vision.items())  # frozen tower, unchanged
     merged = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()
     assert torch.allclose(_logits(merged), vl_store["reference"], atol=1e-4, rtol=0)
+
+
+def test_chat_with_an_image_answers_as_the_trained_model(vl_store, tmp_path, capsys):
+    picture = write_image(tmp_path / "stripes.png", seed=3, size=(64, 64))
+    assert chat.main(["--model", "models:/tiny-vl@champion", "--image", str(picture), "--message", "What is it?",
+                      "--max-new-tokens", "6"]) == 0
+    answer = capsys.readouterr().out.strip()
+    trained = TransformersModel(str(vl_store["root"] / "base"), mixed_precision="no", objective="vision_lm")
+    trained.load("adapter", vl_store["root"])
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(picture)},
+                                             {"type": "text", "text": "What is it?"}]}]
+    expected = trained.generate(messages, max_new_tokens=6)
+    assert answer and answer == expected  # the same encoding (image tokens, pixels, 3-D positions) as evaluation
+    capsys.readouterr()
+
+    assert chat.main(["--model", "models:/tiny-vl@champion", "--image", str(tmp_path / "missing.png"),
+                      "--message", "What is it?"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"chat: --image: no such file: {tmp_path / 'missing.png'}\n"
+    (tmp_path / "broken.png").write_bytes(b"not a picture")
+    assert chat.main(["--model", "models:/tiny-vl@champion", "--image", str(tmp_path / "broken.png"),
+                      "--message", "What is it?"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines()[-1].startswith("chat: --image: ")
+    assert "broken.png" in captured.err.splitlines()[-1]
+
+
+def test_chat_refuses_an_image_for_a_text_model(store, tmp_path, capsys):
+    picture = write_image(tmp_path / "red.png")
+    assert chat.main(["--model", "models:/tiny-chat@champion", "--image", str(picture), "--message", "hi"]) == 1
+    last = capsys.readouterr().err.splitlines()[-1]  # after the loaders' progress bars
+    assert last.startswith("chat: --image: models:/tiny-chat@champion is not a vision-language model")

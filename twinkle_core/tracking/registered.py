@@ -7,6 +7,7 @@ adapter. `models:/NAME@alias` and `models:/NAME/VERSION` name a version on the c
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import tempfile
 from pathlib import Path
@@ -68,15 +69,23 @@ def download_version(version: ModelVersion, target: str | Path) -> tuple[Path, d
     return local / flavor["artifacts"][chat_model.MODEL_ARTIFACT]["path"], dict(flavor.get("config") or {})
 
 
-def load_registered(name: str, alias: str = "champion", dtype=None, processor_files_to: str | Path | None = None):
-    """(model, tokenizer) of a registered version: the PeftModel on its base for an adapter version.
-    `processor_files_to`: a folder that gets the version's image/video processor files (a VL model's export)."""
+@contextlib.contextmanager
+def opened_registered(name: str, alias: str = "champion", dtype=None):
+    """(model, tokenizer, folder) of a registered version, the model as `load_registered` gives it; `folder`
+    holds the config, tokenizer and processor files (the base's for an adapter) while the block runs."""
     version = find_version(name, alias)
     with tempfile.TemporaryDirectory(prefix="twinkle-registered-") as tmp:
         model_dir, config = download_version(version, tmp)
         base_dir = chat_model.fetch_base(config) if chat_model.is_adapter(model_dir) else None
-        parts = chat_model.load_chat_parts(model_dir, base_dir, dtype)
+        model, tokenizer = chat_model.load_chat_parts(model_dir, base_dir, dtype)
+        yield model, tokenizer, Path(base_dir or model_dir)
+
+
+def load_registered(name: str, alias: str = "champion", dtype=None, processor_files_to: str | Path | None = None):
+    """(model, tokenizer) of a registered version: the PeftModel on its base for an adapter version.
+    `processor_files_to`: a folder that gets the version's image/video processor files (a VL model's export)."""
+    with opened_registered(name, alias, dtype) as (model, tokenizer, folder):
         if processor_files_to is not None:
             Path(processor_files_to).mkdir(parents=True, exist_ok=True)
-            copy_processor_files(base_dir or model_dir, processor_files_to)
-        return parts
+            copy_processor_files(folder, processor_files_to)
+        return model, tokenizer

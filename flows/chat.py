@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import TextStreamer
 
     from twinkle_core.data import RowError
+    from twinkle_core.tracking.chat_model import chat_reply, media_encoder
     from twinkle_core.tracking.registered import opened_registered, parse_model_uri
 
     missing = [image for image in args.image if not Path(image).expanduser().is_file()]
@@ -44,9 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         with opened_registered(*parse_model_uri(args.model)) as (model, tokenizer, folder):
-            reply = _vision_reply(model, tokenizer, folder, args.model) if args.image else _text_reply(model, tokenizer)
+            encoder = media_encoder(tokenizer, folder) if args.image else None
     except UserError as error:
         print(f"chat: {error}", file=sys.stderr)
+        return 1
+    if args.image and encoder is None:
+        print(f"chat: --image: {args.model} is not a vision-language model (it takes text only)", file=sys.stderr)
         return 1
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     history = [{"role": "system", "content": args.system}] if args.system else []
@@ -56,44 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         content = [*({"type": "image", "image": image} for image in images), {"type": "text", "text": question}]
         history.append({"role": "user", "content": content if images else question})
         try:
-            answer = reply(history, args.max_new_tokens, args.temperature, streamer)
+            answer = chat_reply(model, tokenizer, history, args.max_new_tokens, args.temperature, streamer, encoder)
         except RowError as error:  # an unreadable image: said before anything streams
             print(f"chat: --image: {error}", file=sys.stderr)
             return 1
         history.append({"role": "assistant", "content": answer})
     return 0
-
-
-def _text_reply(model, tokenizer):
-    from twinkle_core.tracking.chat_model import chat_reply
-
-    return lambda messages, *options: chat_reply(model, tokenizer, messages, *options)
-
-
-def _vision_reply(model, tokenizer, folder: Path, model_uri: str):
-    """The answer to a conversation with images, encoded by the model's own vision encoder."""
-    import torch
-
-    from twinkle_core.data import get_row_format
-    from twinkle_core.objectives.vision import accepted_inputs
-
-    row_format = get_row_format("vision_chat")
-    try:
-        encoder = row_format.load_encoder(tokenizer, folder)
-    except ValueError as error:
-        raise UserError(f"--image: {model_uri} is not a vision-language model ({error})") from None
-
-    def reply(messages, max_new_tokens, temperature, streamer):
-        example = row_format.prompt(encoder, messages)
-        batch = accepted_inputs(model, row_format.collate([example], pad_token_id=tokenizer.pad_token_id or 0))
-        inputs = {key: value for key, value in batch.items() if key != "labels"}
-        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=streamer,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
-        return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
-
-    return reply
 
 
 def _typed_questions():

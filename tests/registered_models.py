@@ -1,9 +1,11 @@
 """A tiny base model and a LoRA adapter trained to answer "Who are you?" with "I am Twinkle.", registered for real.
 
-Shared by the tests of the registered MLflow model (pyfunc, serving, load_registered, chat, export).
+Shared by the tests of the registered MLflow model (pyfunc, serving, load_registered, chat, export), with a
+tiny Qwen 3.5 VL adapter registered the same way for the vision-language ones.
 """
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ from twinkle_core.tracking.chat_model import prompt_ids
 
 QUESTION = [{"role": "user", "content": "Who are you?"}]
 ANSWER = "I am Twinkle."
+VL_IDS = torch.tensor([[3, 5, 7, 9, 11, 13]])  # a text-only prompt for the tiny VL model's logits
 
 
 def train_adapter(base_dir: Path, adapter_dir: Path, steps: int = 35) -> None:
@@ -66,3 +69,49 @@ def prompt_logits(model, tokenizer) -> torch.Tensor:
     """The model's logits on QUESTION's chat prompt (what the reload and export tests compare)."""
     with torch.no_grad():
         return model(input_ids=prompt_ids(tokenizer, QUESTION)).logits
+
+
+def vl_logits(model) -> torch.Tensor:
+    """The tiny Qwen 3.5 VL model's logits on VL_IDS (text only, as a served chat without images)."""
+    with torch.no_grad():
+        return model(input_ids=VL_IDS, mm_token_type_ids=torch.zeros_like(VL_IDS)).logits
+
+
+def register_vl(root: Path) -> torch.Tensor:
+    """A tiny Qwen 3.5 VL base in root/base and a LoRA adapter in root/adapter made as a vision_lm run makes it
+    (random B: a trained adapter), registered as 'tiny-vl' (the adapter) and 'tiny-vl-merged'; returns the
+    adapter's vl_logits."""
+    from vision_models import save_tiny_qwen3_5_vl
+
+    from twinkle_core.models import TransformersModel
+
+    save_tiny_qwen3_5_vl(root / "base")
+    trained = TransformersModel(str(root / "base"), mixed_precision="no", objective="vision_lm")
+    trained.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(0)
+    for name, param in trained.model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(std=0.5)
+    trained.model.eval()
+    reference = vl_logits(trained.model)
+    trained.save("adapter", root)
+    register_run(root, "tiny-vl", "adapter", family="qwen3_5_vl")
+    register_run(root, "tiny-vl-merged", "merged", family="qwen3_5_vl")
+    return reference
+
+
+def image_question(ref: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "image": ref}, {"type": "text", "text": "What is it?"}]}]
+
+
+def data_url(path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def trained_answer(root, picture, max_new_tokens: int = 6) -> str:
+    """The greedy answer of the trained adapter through the library (as evaluation generates)."""
+    from twinkle_core.models import TransformersModel
+
+    trained = TransformersModel(str(root / "base"), mixed_precision="no", objective="vision_lm")
+    trained.load("adapter", root)
+    return trained.generate(image_question(str(picture)), max_new_tokens=max_new_tokens)

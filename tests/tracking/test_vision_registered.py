@@ -4,58 +4,20 @@ Qwen 3.5 has two classes over one checkpoint: the text model (AutoModelForCausal
 (AutoModelForImageTextToText, whose text layers are named `...language_model...`). An adapter trained on the
 VL model, opened on the text class, matches none of its weights: PEFT then serves the base unchanged. The
 merged version and the hf-merged export must keep the vision tower and the image/video processor files, and
-`flows.chat --image` answers about a picture as the trained model does.
+`flows.chat --image` and the served pyfunc answer about a picture as the trained model does.
 """
+import mlflow
 import pytest
 import torch
-from peft import LoraConfig
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from flows import chat, export
-from registered_models import register_run
+from registered_models import data_url, image_question, trained_answer
+from registered_models import vl_logits as _logits
 from twinkle_core.hub.models import PROCESSOR_FILES
-from twinkle_core.models import TransformersModel
 from twinkle_core.tracking.registered import load_registered
-from vision_models import save_tiny_qwen3_5_vl, write_image
-
-IDS = torch.tensor([[3, 5, 7, 9, 11, 13]])  # text-only: what the served chat model receives
-
-
-def _logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=IDS, mm_token_type_ids=torch.zeros_like(IDS)).logits
-
-
-@pytest.fixture(scope="module")
-def vl_registry(tmp_path_factory):
-    """A tiny Qwen 3.5 VL base, a LoRA adapter made as a vision_lm run makes it (random B: a trained
-    adapter), registered as the adapter and as the merged model."""
-    root = tmp_path_factory.mktemp("vl-registry")
-    save_tiny_qwen3_5_vl(root / "base")
-    trained = TransformersModel(str(root / "base"), mixed_precision="no", objective="vision_lm")
-    trained.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    torch.manual_seed(0)
-    for name, param in trained.model.named_parameters():
-        if "lora_B" in name:
-            param.data.normal_(std=0.5)
-    trained.model.eval()
-    reference = _logits(trained.model)
-    trained.save("adapter", root)
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-        env.setenv("TWINKLE_CACHE", str(root / "cache"))
-        register_run(root, "tiny-vl", "adapter", family="qwen3_5_vl")
-        register_run(root, "tiny-vl-merged", "merged", family="qwen3_5_vl")
-        yield {"root": root, "reference": reference}
-
-
-@pytest.fixture
-def vl_store(vl_registry, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{vl_registry['root'] / 'mlflow.db'}")
-    monkeypatch.setenv("TWINKLE_CACHE", str(vl_registry["root"] / "cache"))
-    return vl_registry
-
+from vision_models import write_image
 
 def test_registered_vl_adapter_and_merged_model_give_the_trained_logits(vl_store, tmp_path):
     reference = vl_store["reference"]
@@ -91,12 +53,8 @@ def test_chat_with_an_image_answers_as_the_trained_model(vl_store, tmp_path, cap
     assert chat.main(["--model", "models:/tiny-vl@champion", "--image", str(picture), "--message", "What is it?",
                       "--max-new-tokens", "6"]) == 0
     answer = capsys.readouterr().out.strip()
-    trained = TransformersModel(str(vl_store["root"] / "base"), mixed_precision="no", objective="vision_lm")
-    trained.load("adapter", vl_store["root"])
-    messages = [{"role": "user", "content": [{"type": "image", "image": str(picture)},
-                                             {"type": "text", "text": "What is it?"}]}]
-    expected = trained.generate(messages, max_new_tokens=6)
-    assert answer and answer == expected  # the same encoding (image tokens, pixels, 3-D positions) as evaluation
+    # the same encoding (image tokens, pixels, 3-D positions) as evaluation's
+    assert answer and answer == trained_answer(vl_store["root"], picture)
     capsys.readouterr()
 
     assert chat.main(["--model", "models:/tiny-vl@champion", "--image", str(tmp_path / "missing.png"),
@@ -115,4 +73,16 @@ def test_chat_refuses_an_image_for_a_text_model(store, tmp_path, capsys):
     picture = write_image(tmp_path / "red.png")
     assert chat.main(["--model", "models:/tiny-chat@champion", "--image", str(picture), "--message", "hi"]) == 1
     last = capsys.readouterr().err.splitlines()[-1]  # after the loaders' progress bars
-    assert last.startswith("chat: --image: models:/tiny-chat@champion is not a vision-language model")
+    assert last == "chat: --image: models:/tiny-chat@champion is not a vision-language model (it takes text only)"
+
+
+def test_pyfunc_answers_a_base64_image_and_never_opens_a_named_file(vl_store, tmp_path):
+    picture = write_image(tmp_path / "stripes.png", seed=3, size=(64, 64))
+    served = mlflow.pyfunc.load_model("models:/tiny-vl@champion")
+    answers = served.predict({"messages": image_question(data_url(picture))}, params={"max_new_tokens": 6})
+    assert answers == [trained_answer(vl_store["root"], picture)]
+    assert served.predict({"messages": [{"role": "user", "content": "hi"}]}, params={"max_new_tokens": 2})[0] != ""
+    with pytest.raises(Exception, match="base64 data"):  # a caller must not make the server read its files
+        served.predict({"messages": image_question(str(picture))})
+    local = mlflow.artifacts.download_artifacts("models:/tiny-vl@champion", dst_path=str(tmp_path / "logged"))
+    assert (tmp_path / "logged" / "code" / "twinkle_core" / "data" / "vision_encode.py").is_file(), local

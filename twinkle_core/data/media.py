@@ -23,7 +23,7 @@ _BASE64 = re.compile(r"^[A-Za-z0-9+/\s]+={0,2}$")
 BARE_BASE64_MIN = 128  # shorter strings are paths: no image fits in fewer base64 characters
 
 
-def _is_base64(ref: str) -> bool:
+def is_base64(ref: str) -> bool:
     return bool(DATA_URL.match(ref)) or (len(ref) >= BARE_BASE64_MIN and bool(_BASE64.match(ref[:4096])))
 
 
@@ -36,7 +36,7 @@ def locate_media(ref, folder: Path | None, where: str) -> str:
     if not isinstance(ref, str) or not ref.strip():
         raise RowError(f"{where} is {ref!r}, expected a path, a pkg:// path or base64 data")
     ref = ref.strip()
-    if _is_base64(ref):
+    if is_base64(ref):
         return ref
     if ref.startswith("pkg://"):
         from twinkle_core.hub.errors import HubError
@@ -66,7 +66,7 @@ def _base64_bytes(ref: str, where: str) -> bytes:
 
 def _source(ref: str, where: str):
     """What a decoder opens: the path, or the decoded base64 bytes as a file."""
-    return io.BytesIO(_base64_bytes(ref, where)) if _is_base64(ref) else ref
+    return io.BytesIO(_base64_bytes(ref, where)) if is_base64(ref) else ref
 
 
 def open_image(ref: str, where: str = "image"):

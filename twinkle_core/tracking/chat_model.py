@@ -1,12 +1,17 @@
 """The MLflow pyfunc chat model of every registered Twinkle language model.
 
 MLflow logs this file as code: it is copied into each model and executed when the model loads, so it
-imports only torch, transformers, peft and mlflow (the model's pip requirements), never twinkle_core.
+imports only torch, transformers, peft and mlflow (the model's pip requirements), never twinkle_core; except
+a vision-language model's, which ships twinkle_core as code (`media` in its config) to encode images as its
+training rows were encoded.
 
 Request (`predict`, or POST /invocations of `mlflow models serve`), one conversation per row:
     {"dataframe_records": [{"messages": [{"role": "user", "content": "Who are you?"}]}],
      "params": {"max_new_tokens": 64, "temperature": 0.0}}
 Answer: {"predictions": ["I am Twinkle, ..."]}  (temperature 0 is greedy, so answers repeat exactly)
+A vision-language model also takes content lists with base64 images (a request never names a server file):
+    {"role": "user", "content": [{"type": "image", "image": "data:image/png;base64,..."},
+                                 {"type": "text", "text": "What is this?"}]}
 
 The model's `model` artifact is a Hugging Face directory, or a PEFT adapter whose base the model config
 names: `base_uri` (the base logged to MLflow once per content hash) or a hub id (`base_model_id`,
@@ -125,19 +130,50 @@ def prompt_ids(tokenizer, messages: list[dict]):
 
 
 def chat_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 64, temperature: float = 0.0,
-               streamer=None) -> str:
-    """The assistant's answer to one conversation: greedy at temperature 0, else sampled."""
+               streamer=None, encoder=None) -> str:
+    """The assistant's answer to one conversation: greedy at temperature 0, else sampled. A conversation with
+    images goes through `encoder` (`media_encoder`), as a vision-language model's training rows did."""
     import torch
 
-    ids = prompt_ids(tokenizer, messages)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    if "mm_token_type_ids" in inspect.signature(getattr(model, "get_base_model", lambda: model)().forward).parameters:
-        sampling["mm_token_type_ids"] = torch.zeros_like(ids)  # Qwen3-VL / 3.5 VL need it: every token is text
+    if has_media(messages):
+        if encoder is None:
+            raise ValueError("this model takes text only: a message holds an image or a video")
+        inputs = _media_inputs(model, tokenizer, encoder, messages)
+    else:
+        ids = prompt_ids(tokenizer, messages)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        base = getattr(model, "get_base_model", lambda: model)()
+        if "mm_token_type_ids" in inspect.signature(base.forward).parameters:
+            inputs["mm_token_type_ids"] = torch.zeros_like(ids)  # Qwen3-VL / 3.5 VL need it: every token is text
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, streamer=streamer,
-                             **sampling)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=streamer,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def has_media(messages: list[dict]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(part.get("type") in ("image", "video")
+                                                          for part in m["content"]) for m in messages)
+
+
+def media_encoder(tokenizer, model_dir: str | Path):
+    """The vision encoder of a vision-language checkpoint (twinkle_core.data), or None for a text model."""
+    if not (Path(model_dir) / "preprocessor_config.json").is_file():
+        return None
+    from twinkle_core.data import get_row_format
+
+    return get_row_format("vision_chat").load_encoder(tokenizer, Path(model_dir))
+
+
+def _media_inputs(model, tokenizer, encoder, messages: list[dict]) -> dict:
+    from twinkle_core.data import get_row_format
+    from twinkle_core.objectives.vision import accepted_inputs
+
+    row_format = get_row_format("vision_chat")
+    example = row_format.prompt(encoder, messages)
+    batch = accepted_inputs(model, row_format.collate([example], pad_token_id=tokenizer.pad_token_id or 0))
+    return {key: value for key, value in batch.items() if key != "labels"}
 
 
 def _conversations(model_input) -> list[list[dict]]:
@@ -152,8 +188,28 @@ def _conversations(model_input) -> list[list[dict]]:
         messages = row["messages"] if isinstance(row, dict) else row
         if isinstance(messages, str):
             messages = json.loads(messages)
-        conversations.append([{"role": str(m["role"]), "content": str(m["content"])} for m in messages])
+        conversations.append([{"role": str(m["role"]), "content": _content(m["content"])} for m in messages])
     return conversations
+
+
+def _content(content):
+    """A message's text, or its content list (text, image and video parts) as given."""
+    if hasattr(content, "tolist"):  # a column of lists can arrive as numpy arrays
+        content = content.tolist()
+    if isinstance(content, list):
+        return [dict(part) for part in content]
+    return str(content)
+
+
+def _served_media_only_inline(messages: list[dict]) -> None:
+    """A request's images and videos are base64 data: a served model never opens a file its caller names."""
+    from twinkle_core.data.media import is_base64
+
+    for message in messages:
+        for part in message["content"] if isinstance(message["content"], list) else ():
+            kind = part.get("type")
+            if kind in ("image", "video") and not is_base64(str(part.get(kind, ""))):
+                raise ValueError(f"a request's {kind} is base64 data (data:image/png;base64,...), not a path or URL")
 
 
 class TwinkleChatModel(PythonModel):
@@ -164,13 +220,19 @@ class TwinkleChatModel(PythonModel):
         model_dir = context.artifacts[MODEL_ARTIFACT]
         base_dir = fetch_base(config) if is_adapter(model_dir) else None
         self.model, self.tokenizer = load_chat_parts(model_dir, base_dir)
+        # twinkle_core is in the model's code only where `media` says so (a vision-language model)
+        self.encoder = media_encoder(self.tokenizer, base_dir or model_dir) if config.get("media") == "true" else None
 
     def predict(self, context, model_input, params=None):
         params = params or {}
         max_new_tokens = int(params.get("max_new_tokens", 64))
         temperature = float(params.get("temperature", 0.0))
-        return [chat_reply(self.model, self.tokenizer, messages, max_new_tokens, temperature)
-                for messages in _conversations(model_input)]
+        conversations = _conversations(model_input)
+        for messages in conversations:
+            if has_media(messages) and self.encoder is not None:
+                _served_media_only_inline(messages)
+        return [chat_reply(self.model, self.tokenizer, messages, max_new_tokens, temperature, encoder=self.encoder)
+                for messages in conversations]
 
 
 # MLflow executes this file under a module name of its own ("code_model_<hex>") to get the model object.

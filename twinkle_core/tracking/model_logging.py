@@ -90,6 +90,9 @@ def log_chat_model(client: MlflowClient, run_id: str, checkpoint_dir: str | Path
                 if not base.is_hub():
                     config["base_uri"] = log_base_once(client, base)
         _write_chat_template(staged, base)
+        folders = [staged] + ([Path(base.path)] if base is not None else [])
+        if any((folder / "preprocessor_config.json").is_file() for folder in folders):
+            config["media"] = "true"  # a vision-language model: requests may carry images
         target = Path(tmp) / "mlflow-model"
         save_chat_model(staged, target, config)
         client.log_artifacts(run_id, str(target), artifact_path)
@@ -125,28 +128,36 @@ def save_chat_model(model_dir: Path, target: Path, config: dict[str, str]) -> No
     import mlflow.pyfunc
     import pandas as pd
 
+    media = config.get("media") == "true"
     # A one-row DataFrame, so the stored serving example is a valid /invocations body (dataframe_split + params).
     example = pd.DataFrame([{"messages": [{"role": "user", "content": "Who are you?"}]}])
     mlflow.pyfunc.save_model(
         path=str(target), python_model=chat_model.__file__, artifacts={chat_model.MODEL_ARTIFACT: str(model_dir)},
-        model_config=config, signature=chat_signature(), pip_requirements=pip_requirements(),
+        model_config=config, signature=chat_signature(media), pip_requirements=pip_requirements(media),
         input_example=(example, {"max_new_tokens": 32}),
+        # A VL model encodes request images with the project's encoder (twinkle_core.data), shipped as code.
+        code_paths=[str(Path(__file__).resolve().parents[1])] if media else None,
     )
 
 
-def chat_signature():
+def chat_signature(media: bool = False):
+    """messages: [{role, content}]; content is text, or for a vision-language model text or a content list."""
     from mlflow.models import ModelSignature
-    from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
+    from mlflow.types.schema import AnyType, Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
 
-    message = Object([Property("role", "string"), Property("content", "string")])
+    message = Object([Property("role", "string"), Property("content", AnyType() if media else "string")])
     return ModelSignature(
         inputs=Schema([ColSpec(Array(message), "messages")]), outputs=Schema([ColSpec("string")]),
         params=ParamSchema([ParamSpec("max_new_tokens", "long", 64), ParamSpec("temperature", "double", 0.0)]))
 
 
-def pip_requirements() -> list[str]:
-    """What loading the model imports, pinned to the versions it was logged with."""
-    return [_pinned(name) for name in ("torch", "transformers", "peft", "safetensors", "huggingface_hub")]
+def pip_requirements(media: bool = False) -> list[str]:
+    """What loading the model imports, pinned to the versions it was logged with (a VL model's shipped
+    twinkle_core also reads images with Pillow and videos with PyAV, and renders its chat template with Jinja)."""
+    names = ["torch", "transformers", "peft", "safetensors", "huggingface_hub"]
+    if media:
+        names += ["pillow", "av", "jinja2"]
+    return [_pinned(name) for name in names]
 
 
 def log_base_once(client: MlflowClient, base: BaseModelRef) -> str:

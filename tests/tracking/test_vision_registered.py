@@ -86,3 +86,20 @@ def test_pyfunc_answers_a_base64_image_and_never_opens_a_named_file(vl_store, tm
         served.predict({"messages": image_question(str(picture))})
     local = mlflow.artifacts.download_artifacts("models:/tiny-vl@champion", dst_path=str(tmp_path / "logged"))
     assert (tmp_path / "logged" / "code" / "twinkle_core" / "data" / "vision_encode.py").is_file(), local
+
+
+def test_a_token_beyond_the_embeddings_is_a_clear_error(tmp_path):
+    """InternVL tokenizers name a `<video>` token (as transformers' -hf conversion adds it) that the model has
+    no embedding row for: a conversation holding it is refused by name."""
+    from transformers import AutoTokenizer
+    from vision_models import save_tiny_internvl
+
+    from twinkle_core.tracking.chat_model import chat_reply
+
+    folder = save_tiny_internvl(tmp_path / "internvl")
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.convert_tokens_to_ids("<video>") >= model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match="holds <video>, a token this model has no embedding for"):
+        chat_reply(model, tokenizer, [{"role": "user", "content": "<video> what happens?"}])
+    assert chat_reply(model, tokenizer, [{"role": "user", "content": "what happens?"}], max_new_tokens=2) is not None

@@ -146,10 +146,22 @@ def chat_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 64,
         base = getattr(model, "get_base_model", lambda: model)()
         if "mm_token_type_ids" in inspect.signature(base.forward).parameters:
             inputs["mm_token_type_ids"] = torch.zeros_like(ids)  # Qwen3-VL / 3.5 VL need it: every token is text
+    _check_embedded(model, tokenizer, inputs["input_ids"])
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=streamer,
                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def _check_embedded(model, tokenizer, ids) -> None:
+    """A token the tokenizer has but the model has no embedding row for (e.g. the `<video>` an InternVL
+    tokenizer names, as transformers' own conversion adds it) is a clear error, not an index error."""
+    rows = model.get_input_embeddings().num_embeddings
+    beyond = sorted({int(i) for i in ids.reshape(-1).tolist() if i >= rows})
+    if beyond:
+        names = ", ".join(str(tokenizer.convert_ids_to_tokens(i)) for i in beyond)
+        raise ValueError(f"the conversation holds {names}, a token this model has no embedding for "
+                         f"(ids {beyond}, the model has {rows})")
 
 
 def has_media(messages: list[dict]) -> bool:

@@ -84,3 +84,32 @@ def test_packed_logits_and_loss_match_each_sample_alone(attention):
     assert count_trained_tokens(batch["labels"]) == sum(counts)
     expected = sum(out.loss * n for out, n in zip(alone, counts)) / sum(counts)
     torch.testing.assert_close(packed.loss, expected, atol=1e-5, rtol=0)
+
+
+def test_packing_is_refused_where_recurrent_layers_would_carry_one_sample_into_the_next(tmp_path):
+    """Qwen 3.5's gated-delta-net layers run along the whole packed row: the block mask keeps samples apart in
+    its attention layers only, so the second sample's logits change with the first. Packing is refused there."""
+    from family_models import save_tiny_family_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flows.sft import SFTConfig
+    from twinkle_core.train.checks import run_problems
+
+    folder = save_tiny_family_model("qwen3_5", tmp_path / "qwen3_5")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    first, second = _example(12, 10), _example(9, 60)
+    batch = collate(pack_examples([first, second], max_length=21), pad_token_id=0)
+    with torch.no_grad():
+        packed = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0, 12:]
+        alone = model(input_ids=torch.tensor([second["input_ids"]])).logits[0]
+    assert (packed - alone).abs().max() > 1e-4  # the leak (attention-only models agree within 1e-5, above)
+
+    (tmp_path / "rows.jsonl").write_text("")
+    config = SFTConfig(model_id=str(folder), dataset=str(tmp_path / "rows.jsonl"), packing=True)
+    problems = run_problems(config, AutoConfig.from_pretrained(folder))
+    assert [p for p in problems if p.startswith("packing=True")] == [
+        "packing=True: this model's linear_attention layers carry their state from one packed sample into the next "
+        "(a mask keeps samples apart in attention only; transformers separates them there only with "
+        "flash-linear-attention kernels and cu_seqlens, not used here); use packing=false"]
+    unpacked = SFTConfig(model_id=str(folder), dataset=str(tmp_path / "rows.jsonl"))
+    assert not [p for p in run_problems(unpacked, AutoConfig.from_pretrained(folder)) if "packing" in p]

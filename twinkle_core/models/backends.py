@@ -95,8 +95,25 @@ def _transformers_layout(config, model_config) -> list[str]:
     return []
 
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def recurrent_layer_types(model_config) -> list[str]:
+    """The layer types of a hybrid model that carry a state along the sequence (Qwen 3.5's and Qwen3-Next's
+    gated-delta-net `linear_attention`, Mamba-style layers): no attention mask keeps packed samples apart there."""
+    if model_config is None:
+        return []
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return sorted({kind for kind in getattr(text, "layer_types", None) or () if kind not in ATTENTION_LAYER_TYPES})
+
+
 def _transformers_options(config, model_config) -> list[str]:
+    recurrent = recurrent_layer_types(model_config) if getattr(config, "packing", False) else []
     return _bad(config, [
+        ("packing", bool(recurrent),
+         f"this model's {'/'.join(recurrent)} layers carry their state from one packed sample into the next (a "
+         "mask keeps samples apart in attention only; transformers separates them there only with "
+         "flash-linear-attention kernels and cu_seqlens, not used here); use packing=false"),
         ("mixed_precision", config.kind == "multi_lora" and config.mixed_precision == "fp8",
          "fp8 linears are not built for multi-tenant LoRA; use bf16 or no"),
         ("cp_size", getattr(config, "cp_size", 1) > 1, "context parallelism belongs to the megatron backend; on "

@@ -317,3 +317,24 @@ def write_internvl_chat(folder: Path, model, tokenizer, llm_architecture: str | 
                     auto_map={"AutoTokenizer": ["tokenization_internlm2.InternLM2Tokenizer", None]})
     (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
     return folder
+
+
+# --- the four families side by side (tests/models/test_vision_model.py, test_vision_packing.py) ---------------
+
+COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
+# family: (builder, image side in pixels, rows with a video)
+VL_FAMILIES = {"qwen2_5_vl": (save_tiny_qwen2_5_vl, 56, True), "qwen3_vl": (save_tiny_qwen3_vl, 64, True),
+               "qwen3_5_vl": (save_tiny_qwen3_5_vl, 64, True), "internvl2_5": (save_tiny_internvl, 56, False)}
+
+
+def family_rows(folder: Path, side: int, video: bool) -> list[dict]:
+    """Two one-colour image chats of `side` pixels, and a chat with a 4-frame video where the family reads one."""
+    rows = [{"messages": [{"role": "user", "content": "<image>What colour is it?"},
+                          {"role": "assistant", "content": f"It is {name}."}],
+             "images": [str(write_image(folder / f"{name}.png", COLOURS[name], size=(side, side)))]}
+            for name in ("red", "blue")]
+    if video:
+        clip = write_video(folder / "clip.mp4", frames=4, fps=4, size=(side, side))
+        rows.append({"messages": [{"role": "user", "content": "<video>What moves?"},
+                                  {"role": "assistant", "content": "Noise."}], "videos": [str(clip)]})
+    return rows

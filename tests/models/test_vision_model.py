@@ -8,16 +8,12 @@ import math
 import pytest
 import torch
 from peft import LoraConfig
-from vision_models import (save_tiny_internvl, save_tiny_qwen2_5_vl, save_tiny_qwen3_5_vl, save_tiny_qwen3_vl,
-                           write_image, write_video)
+from vision_models import COLOURS, VL_FAMILIES, family_rows, save_tiny_internvl, save_tiny_qwen2_5_vl, write_image
 
 from twinkle_core.data import get_row_format
 from twinkle_core.data.vision_encode import encode_vision_row
 from twinkle_core.models import TransformersModel
 from twinkle_core.objectives.vision import accepted_inputs
-
-COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -137,40 +133,23 @@ def test_bf16_and_fp16_train_lora_and_full(model_dir, rows, fp32_loss, precision
     assert losses[-1] < losses[0] - 0.5, losses  # measured drops 0.73 to 0.90
 
 
-# family: (builder, image side in pixels, with a video row)
-FAMILIES = {"qwen2_5_vl": (save_tiny_qwen2_5_vl, 56, True), "qwen3_vl": (save_tiny_qwen3_vl, 64, True),
-            "qwen3_5_vl": (save_tiny_qwen3_5_vl, 64, True), "internvl2_5": (save_tiny_internvl, 56, False)}
-
-
-def _family_rows(folder, side: int, video: bool) -> list[dict]:
-    rows = [{"messages": [{"role": "user", "content": "<image>What colour is it?"},
-                          {"role": "assistant", "content": f"It is {name}."}],
-             "images": [str(write_image(folder / f"{name}.png", COLOURS[name], size=(side, side)))]}
-            for name in ("red", "blue")]
-    if video:
-        clip = write_video(folder / "clip.mp4", frames=4, fps=4, size=(side, side))
-        rows.append({"messages": [{"role": "user", "content": "<video>What moves?"},
-                                  {"role": "assistant", "content": "Noise."}], "videos": [str(clip)]})
-    return rows
-
-
 def _logits(model, batch) -> torch.Tensor:
     model.model.eval()
     with torch.no_grad():
         return model.model(**{k: v for k, v in accepted_inputs(model.model, batch).items() if k != "labels"}).logits
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(VL_FAMILIES))
 def test_each_family_labels_the_reply_its_media_reach_the_loss_and_a_full_checkpoint_reloads(family, tmp_path):
     """Every family: the labels are exactly the assistant's text, one changed pixel value of an image (and of a
     video) changes the loss, and a fully trained checkpoint with its vision tower unfrozen, reloaded on its own,
     encodes the rows the same way and gives the same logits."""
-    save, side, video = FAMILIES[family]
+    save, side, video = VL_FAMILIES[family]
     model_dir = save(tmp_path / family)
     options = {"freeze_vision": False, "freeze_aligner": False}
     model = TransformersModel(str(model_dir), mixed_precision="no", objective="vision_lm", objective_options=options)
     assert model.family.name == family
-    rows = _family_rows(tmp_path / "media", side, video)
+    rows = family_rows(tmp_path / "media", side, video)
     examples = [encode_vision_row(model.encoder, row) for row in rows]
     tokenizer = model.tokenizer
     # Qwen 3.5's generation prompt opens the think block, so its model learns to close the empty one first,

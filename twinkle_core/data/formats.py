@@ -14,11 +14,12 @@ from twinkle_core.config.registry import Registry
 
 from . import pairs, preference, prompts
 from .vision_collate import BATCH_KEYS as VISION_BATCH_KEYS
-from .vision_collate import collate_vision, truncate_vision
+from .vision_collate import collate_vision, pack_vision_examples, truncate_vision
 from .vision_encode import encode_vision_prompt, encode_vision_row, load_vision_processor
 from .vision_rows import validate_vision_row
 from .collate import collate
 from .encode import count_trained_tokens, encode_chat, encode_text, truncate
+from .packing import pack_examples
 from .validate import validate_chat_row, validate_text_row
 
 
@@ -48,6 +49,7 @@ class RowFormat:
     collate: Callable[..., dict] = collate  # (examples, pad_token_id=, mask_dtype=) -> a batch of tensors
     batch_keys: tuple[str, ...] = ("input_ids", "labels")  # what a collated batch must hold
     packable: bool = True
+    pack: Callable[[list[dict], int], list[dict]] = pack_examples  # (examples, max_length) -> packed sequences
     # Rows that name files (images, videos): validate(row, folder=...) finds relative paths in the data file's folder.
     reads_files: bool = False
     # (tokenizer, model_dir) -> what encode() takes in the tokenizer's place (a VLM's processor); None: the tokenizer
@@ -108,4 +110,4 @@ register_row_format(RowFormat(
 register_row_format(RowFormat(
     "vision_chat", validate_vision_row, encode_vision_row, truncate=truncate_vision, collate=collate_vision,
     batch_keys=VISION_BATCH_KEYS, reads_files=True, encoder=load_vision_processor, prompt=encode_vision_prompt,
-    packable=False))  # packing would need each sample's mrope positions restarted: not built yet
+    pack=pack_vision_examples))

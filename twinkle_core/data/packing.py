@@ -13,25 +13,37 @@ def _append(packed: dict, example: dict) -> None:
     packed["position_ids"].extend(range(len(example["input_ids"])))
 
 
+def pack_groups(lengths: list[int], max_length: int) -> list[list[int]]:
+    """Indices of the examples each packed sequence holds: in order, greedy next-fit, at most `max_length`
+    tokens each."""
+    if max_length < 1:
+        raise ValueError(f"max_length={max_length} must be a positive number of tokens")
+    groups: list[list[int]] = []
+    used = 0
+    for index, length in enumerate(lengths):
+        if length == 0 or length > max_length:
+            raise ValueError(
+                f"example {index} has {length} tokens; packing needs 1..max_length={max_length} "
+                "(truncate examples before packing)"
+            )
+        if not groups or used + length > max_length:
+            groups.append([])
+            used = 0
+        groups[-1].append(index)
+        used += length
+    return groups
+
+
 def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
     """Concatenate examples in order into sequences of at most `max_length` tokens (greedy next-fit).
 
     Each packed sequence has input_ids, labels and position_ids; position_ids restart at 0 for each
     sample, which is how collate (and flash-attention kernels) find the sample boundaries.
     """
-    if max_length < 1:
-        raise ValueError(f"max_length={max_length} must be a positive number of tokens")
-    packs: list[dict] = []
-    current: dict | None = None
-    for index, example in enumerate(examples):
-        length = len(example["input_ids"])
-        if length == 0 or length > max_length:
-            raise ValueError(
-                f"example {index} has {length} tokens; packing needs 1..max_length={max_length} "
-                "(truncate examples before packing)"
-            )
-        if current is None or len(current["input_ids"]) + length > max_length:
-            current = {"input_ids": [], "labels": [], "position_ids": []}
-            packs.append(current)
-        _append(current, example)
+    packs = []
+    for group in pack_groups([len(example["input_ids"]) for example in examples], max_length):
+        packed: dict = {"input_ids": [], "labels": [], "position_ids": []}
+        for index in group:
+            _append(packed, examples[index])
+        packs.append(packed)
     return packs

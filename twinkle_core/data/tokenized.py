@@ -14,7 +14,6 @@ from ..hashing import hash_file, hash_json
 from ..paths import cache_dir
 from .errors import ChatTemplateError, DatasetError, RowError
 from .formats import get_row_format
-from .packing import pack_examples
 from .rows import BadRow, check_fraction, load_rows, report_bad_rows
 from .templates import use_chat_template
 
@@ -140,7 +139,7 @@ def tokenize_dataset(
         return dataset
     examples, bad, source_rows = _encode_rows(dataset_path, encoder, kind, max_length, max_bad_fraction, enable_thinking,
                                  encode_options)
-    rows = pack_examples(examples, max_length) if packing else examples
+    rows = row_format.pack(examples, max_length) if packing else examples
     counts = [row_format.count_tokens(row) for row in rows]
     meta = {
         "content_hash": key, "format_version": FORMAT_VERSION, **settings,

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .collate import collate
+from .packing import pack_examples, pack_groups
 from .vision_encode import IMAGE, MEDIA_KEYS, TEXT, VIDEO
 
 EXTRAS = {IMAGE: ("image_grid_thw",), VIDEO: ("video_grid_thw", "second_per_grid_ts")}
@@ -53,11 +54,34 @@ def truncate_vision(example: dict, max_length: int | None) -> dict:
     return out
 
 
+def pack_vision_examples(examples: list[dict], max_length: int) -> list[dict]:
+    """Examples concatenated in order into sequences of at most `max_length` tokens, as `pack_examples` packs
+    text (position_ids restart at 0 for each sample, each sample's first label is not trained), with their
+    media in the same order: pixel rows, rows per medium and the per-medium extras. A model with 3-D M-RoPE
+    positions gets them from the training objective (twinkle_core.objectives.vision), per sample."""
+    packs = []
+    for group, text in zip(pack_groups([len(e["input_ids"]) for e in examples], max_length),
+                           pack_examples(examples, max_length)):
+        packed = {**text, "mm_token_type_ids": [t for i in group for t in examples[i]["mm_token_type_ids"]]}
+        for kind, (pixels_key, rows_key, shape_key) in MEDIA_KEYS.items():
+            with_media = [examples[i] for i in group if examples[i].get(rows_key)]
+            packed[pixels_key] = [value for e in with_media for value in e[pixels_key]]
+            packed[rows_key] = [rows for e in with_media for rows in e[rows_key]]
+            packed[shape_key] = list(with_media[0][shape_key]) if with_media else []
+            for key in EXTRAS[kind]:
+                if key in examples[group[0]]:
+                    packed[key] = [value for e in with_media for value in e[key]]
+        packs.append(packed)
+    return packs
+
+
 def collate_vision(examples: list[dict], pad_token_id: int | None, mask_dtype: torch.dtype = torch.float32,
                    ) -> dict[str, torch.Tensor]:
-    """Right-padded tokens (mm_token_type_ids padded as text) and every example's pixel rows, in order."""
-    batch = collate([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples],
-                    pad_token_id=pad_token_id, mask_dtype=mask_dtype)
+    """Right-padded tokens (mm_token_type_ids padded as text) and every example's pixel rows, in order.
+    Packed examples also get position_ids and the block-causal mask (twinkle_core.data.collate)."""
+    keys = ("input_ids", "labels", "position_ids") if "position_ids" in examples[0] else ("input_ids", "labels")
+    batch = collate([{key: e[key] for key in keys} for e in examples], pad_token_id=pad_token_id,
+                    mask_dtype=mask_dtype)
     length = batch["input_ids"].shape[1]
     batch["mm_token_type_ids"] = torch.tensor(
         [list(e["mm_token_type_ids"]) + [TEXT] * (length - len(e["mm_token_type_ids"])) for e in examples])

@@ -47,9 +47,30 @@ def accepted_inputs(model: torch.nn.Module, batch: dict) -> dict:
     return {key: value for key, value in batch.items() if key in names or key in ("labels", "shift_labels")}
 
 
+def packed_positions(model: torch.nn.Module, batch: dict) -> dict:
+    """A packed batch (1-D position_ids restarting at each sample) for a model with 3-D M-RoPE positions (Qwen's
+    VL models): each sample's 3-D positions as it would have them alone, with the text positions first
+    ([4, batch, length], transformers' packed layout). Other models and unpacked batches pass unchanged.
+
+    The model's own get_rope_index over a whole packed row numbers each sample on from where the previous one
+    ended, in all three dimensions alike; subtracting each sample's first position restarts it at 0 exactly."""
+    position_ids = batch.get("position_ids")
+    owner = next((m for m in model.modules() if hasattr(m, "get_rope_index")), None)
+    if position_ids is None or position_ids.dim() != 2 or owner is None:
+        return batch
+    names = inspect.signature(owner.get_rope_index).parameters
+    known = ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+    three_d, _ = owner.get_rope_index(**{key: batch[key] for key in known if key in batch and key in names})
+    steps = torch.arange(position_ids.shape[1], device=position_ids.device).expand_as(position_ids)
+    starts = torch.cummax(torch.where(position_ids == 0, steps, 0), dim=1).values  # each token's sample start
+    three_d = three_d - three_d.gather(2, starts.unsqueeze(0).expand_as(three_d))
+    return {**batch, "position_ids": torch.cat([position_ids.unsqueeze(0), three_d.to(position_ids.dtype)])}
+
+
 def vision_lm_loss_sum(model, batch, router_aux_loss_coef=None, group=None, **options):
     """The causal-LM loss of a multimodal batch; the options (freezing, media sizes) acted before it."""
-    return causal_lm_loss_sum(model, accepted_inputs(model, batch), router_aux_loss_coef, group)
+    return causal_lm_loss_sum(model, accepted_inputs(model, packed_positions(model, batch)), router_aux_loss_coef,
+                              group)
 
 
 def freeze_parts(model: torch.nn.Module, family, options: dict) -> tuple[str, ...]:

@@ -55,8 +55,10 @@ def packed_positions(model: torch.nn.Module, batch: dict) -> dict:
     The model's own get_rope_index over a whole packed row numbers each sample on from where the previous one
     ended, in all three dimensions alike; subtracting each sample's first position restarts it at 0 exactly."""
     position_ids = batch.get("position_ids")
+    if position_ids is None or position_ids.dim() != 2:  # not packed
+        return batch
     owner = next((m for m in model.modules() if hasattr(m, "get_rope_index")), None)
-    if position_ids is None or position_ids.dim() != 2 or owner is None:
+    if owner is None:  # 1-D positions (InternVL): restarted per sample, as packed text
         return batch
     names = inspect.signature(owner.get_rope_index).parameters
     known = ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")

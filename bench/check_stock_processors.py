@@ -3,8 +3,8 @@
 
     # in the project's venv: tiny checkpoints of the four families, saved by TransformersModel.save
     .venv/bin/python bench/check_stock_processors.py --save DIR
-    # in a venv with torchvision (the stock processors need it; see bench/check_video_processor.py):
-    PYTHONPATH=. /tmp/tvenv/bin/python bench/check_stock_processors.py --check DIR
+    # in a venv with torchvision, VENV (the stock processors need it; the recipe is in check_video_processor.py):
+    PYTHONPATH=. $VENV/bin/python bench/check_stock_processors.py --check DIR
 
 For each family (Qwen2.5-VL, Qwen3-VL, Qwen 3.5 VL, InternVL; and an OpenGVLab-layout InternVL with an
 InternLM2 language model as `resolve_model` converts it) the check encodes a user turn with an image (and

@@ -15,8 +15,9 @@ transformers image processors on both sides; video frames go through our PIL res
 one), equal mm_token_type_ids where the stock processor returns them.
 
 Results (transformers 5.24.0, torch 2.14.1, torchvision 0.29.1; exit 0): all 8 cases OK (5 checkpoints with
-an image, the 3 Qwen ones with a video). input_ids, grids and mm_token_type_ids equal everywhere; pixels: Qwen2.5-VL image and video max |d| 1.50e-02 (one uint8
-step at CLIP std: PIL against torchvision resampling), Qwen3-VL / Qwen 3.5 VL image 7.84e-03, video 5.91e-08,
+an image, the 3 Qwen ones with a video). input_ids, grids and mm_token_type_ids equal everywhere; pixels:
+Qwen2.5-VL image and video max |d| 1.50e-02 (one uint8 step at CLIP std: PIL against torchvision
+resampling), Qwen3-VL / Qwen 3.5 VL image 7.84e-03, video 5.91e-08,
 InternVL (native and converted) 1.75e-02. Informational: Qwen2.5-VL second_per_grid_ts ours 1.0, stock 0.9 on a
 9-frame 4 fps clip sampled at 2 fps (ours: the picked frames' own rate, 0.5 s apart; stock and qwen-vl-utils:
 picked / decoded frames x fps, which counts the clip as 2.25 s; the two agree as clips grow).

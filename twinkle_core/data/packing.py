@@ -40,10 +40,13 @@ def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
     Each packed sequence has input_ids, labels and position_ids; position_ids restart at 0 for each
     sample, which is how collate (and flash-attention kernels) find the sample boundaries.
     """
-    packs = []
-    for group in pack_groups([len(example["input_ids"]) for example in examples], max_length):
-        packed: dict = {"input_ids": [], "labels": [], "position_ids": []}
-        for index in group:
-            _append(packed, examples[index])
-        packs.append(packed)
-    return packs
+    groups = pack_groups([len(example["input_ids"]) for example in examples], max_length)
+    return [concat_samples([examples[index] for index in group]) for group in groups]
+
+
+def concat_samples(samples: list[dict]) -> dict:
+    """One packed sequence of `samples` (input_ids, labels, position_ids restarting at 0 for each)."""
+    packed: dict = {"input_ids": [], "labels": [], "position_ids": []}
+    for sample in samples:
+        _append(packed, sample)
+    return packed

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .collate import collate
-from .packing import pack_examples, pack_groups
+from .packing import concat_samples, pack_groups
 from .vision_encode import IMAGE, MEDIA_KEYS, TEXT, VIDEO
 
 EXTRAS = {IMAGE: ("image_grid_thw",), VIDEO: ("video_grid_thw", "second_per_grid_ts")}
@@ -60,16 +60,16 @@ def pack_vision_examples(examples: list[dict], max_length: int) -> list[dict]:
     media in the same order: pixel rows, rows per medium and the per-medium extras. A model with 3-D M-RoPE
     positions gets them from the training objective (twinkle_core.objectives.vision), per sample."""
     packs = []
-    for group, text in zip(pack_groups([len(e["input_ids"]) for e in examples], max_length),
-                           pack_examples(examples, max_length)):
-        packed = {**text, "mm_token_type_ids": [t for i in group for t in examples[i]["mm_token_type_ids"]]}
+    for group in pack_groups([len(e["input_ids"]) for e in examples], max_length):
+        samples = [examples[i] for i in group]
+        packed = {**concat_samples(samples), "mm_token_type_ids": [t for e in samples for t in e["mm_token_type_ids"]]}
         for kind, (pixels_key, rows_key, shape_key) in MEDIA_KEYS.items():
-            with_media = [examples[i] for i in group if examples[i].get(rows_key)]
+            with_media = [e for e in samples if e.get(rows_key)]
             packed[pixels_key] = [value for e in with_media for value in e[pixels_key]]
             packed[rows_key] = [rows for e in with_media for rows in e[rows_key]]
             packed[shape_key] = list(with_media[0][shape_key]) if with_media else []
             for key in EXTRAS[kind]:
-                if key in examples[group[0]]:
+                if key in samples[0]:
                     packed[key] = [value for e in with_media for value in e[key]]
         packs.append(packed)
     return packs

@@ -19,7 +19,8 @@ from twinkle_core.hub import copy_processor_files
 
 logger = logging.getLogger(__name__)
 ADAPTER_CONFIG = "adapter_config.json"
-# How a vision-language checkpoint turns images into pixels (sizes, normalisation): a full checkpoint needs them.
+
+
 def gather_full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
     """Unsharded CPU copies of the weights on rank 0 (an empty dict elsewhere); every rank must call it.
 

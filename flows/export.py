@@ -31,14 +31,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def export(model_uri: str, to: str, output: Path) -> Path:
     """Write the registered version `model_uri` to `output` as `to`; return the folder or the .gguf file."""
     from twinkle_core.convert.gguf_export import write_gguf
-    from twinkle_core.tracking.registered import load_registered, parse_model_uri
+    from twinkle_core.hub import copy_processor_files
+    from twinkle_core.tracking.registered import opened_registered, parse_model_uri
 
     if output.exists() and any(output.iterdir()):
         raise UserError(f"--output {str(output)!r} is not empty; give a new or empty folder")
     name, alias = parse_model_uri(model_uri)
-    # a VL model's folder keeps its image/video processor settings (gguf holds text-only Llama models)
-    processor_files_to = output if to == "hf-merged" else None
-    model, tokenizer = load_registered(name, alias, dtype="auto", processor_files_to=processor_files_to)
+    with opened_registered(name, alias, dtype="auto") as (model, tokenizer, folder):
+        if to == "hf-merged":  # a VL model's folder keeps its image/video processor settings
+            output.mkdir(parents=True, exist_ok=True)
+            copy_processor_files(folder, output)
     if hasattr(model, "merge_and_unload"):  # an adapter version: fold it into its base
         model = model.merge_and_unload()
     if to == "gguf":  # refuses a non-Llama architecture with the reason

@@ -16,7 +16,7 @@ from flows import chat, export
 from registered_models import data_url, image_question, trained_answer
 from registered_models import vl_logits as _logits
 from twinkle_core.hub.models import PROCESSOR_FILES
-from twinkle_core.tracking.registered import load_registered
+from twinkle_core.tracking.registered import opened_registered
 from vision_models import write_image
 
 def test_registered_vl_adapter_and_merged_model_give_the_trained_logits(vl_store, tmp_path):
@@ -24,12 +24,12 @@ def test_registered_vl_adapter_and_merged_model_give_the_trained_logits(vl_store
     base = AutoModelForImageTextToText.from_pretrained(vl_store["root"] / "base", dtype=torch.float32).eval()
     assert (_logits(base) - reference).abs().max() > 0.1  # the adapter changes the answer: applying it matters
     for name, tolerance in (("tiny-vl", 1e-6), ("tiny-vl-merged", 1e-4)):  # merging reorders fp32 sums
-        model, _ = load_registered(name, "champion", dtype=torch.float32, processor_files_to=tmp_path / name)
+        with opened_registered(name, "champion", dtype=torch.float32) as (model, _, folder):
+            for file in ("preprocessor_config.json", "video_preprocessor_config.json"):  # the merged artifact has them
+                assert (folder / file).read_text() == (vl_store["root"] / "base" / file).read_text()
         assert type(model.get_base_model() if name == "tiny-vl" else model).__name__ == \
             "Qwen3_5ForConditionalGeneration"
         assert torch.allclose(_logits(model), reference, atol=tolerance, rtol=0), name
-        for file in ("preprocessor_config.json", "video_preprocessor_config.json"):  # the merged artifact has them
-            assert (tmp_path / name / file).read_text() == (vl_store["root"] / "base" / file).read_text()
 
 
 def test_hf_merged_export_keeps_the_vision_tower_and_processor_files(vl_store, tmp_path):

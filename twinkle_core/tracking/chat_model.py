@@ -169,9 +169,14 @@ def has_media(messages: list[dict]) -> bool:
                                                           for part in m["content"]) for m in messages)
 
 
+def is_vision_checkpoint(model_dir: str | Path) -> bool:
+    """A vision-language checkpoint carries its image processor's settings."""
+    return (Path(model_dir) / "preprocessor_config.json").is_file()
+
+
 def media_encoder(tokenizer, model_dir: str | Path):
     """The vision encoder of a vision-language checkpoint (twinkle_core.data), or None for a text model."""
-    if not (Path(model_dir) / "preprocessor_config.json").is_file():
+    if not is_vision_checkpoint(model_dir):
         return None
     from twinkle_core.data import get_row_format
 

@@ -90,8 +90,7 @@ def log_chat_model(client: MlflowClient, run_id: str, checkpoint_dir: str | Path
                 if not base.is_hub():
                     config["base_uri"] = log_base_once(client, base)
         _write_chat_template(staged, base)
-        folders = [staged] + ([Path(base.path)] if base is not None else [])
-        if any((folder / "preprocessor_config.json").is_file() for folder in folders):
+        if chat_model.is_vision_checkpoint(staged) or (base is not None and chat_model.is_vision_checkpoint(base.path)):
             config["media"] = "true"  # a vision-language model: requests may carry images
         target = Path(tmp) / "mlflow-model"
         save_chat_model(staged, target, config)

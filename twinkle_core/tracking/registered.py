@@ -17,7 +17,6 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from twinkle_core.errors import UserError
-from twinkle_core.hub import copy_processor_files
 from twinkle_core.tracking import chat_model
 from twinkle_core.tracking.logger import tracking_uri
 
@@ -81,11 +80,7 @@ def opened_registered(name: str, alias: str = "champion", dtype=None):
         yield model, tokenizer, Path(base_dir or model_dir)
 
 
-def load_registered(name: str, alias: str = "champion", dtype=None, processor_files_to: str | Path | None = None):
-    """(model, tokenizer) of a registered version: the PeftModel on its base for an adapter version.
-    `processor_files_to`: a folder that gets the version's image/video processor files (a VL model's export)."""
-    with opened_registered(name, alias, dtype) as (model, tokenizer, folder):
-        if processor_files_to is not None:
-            Path(processor_files_to).mkdir(parents=True, exist_ok=True)
-            copy_processor_files(folder, processor_files_to)
+def load_registered(name: str, alias: str = "champion", dtype=None):
+    """(model, tokenizer) of a registered version: the PeftModel on its base for an adapter version."""
+    with opened_registered(name, alias, dtype) as (model, tokenizer, _):
         return model, tokenizer

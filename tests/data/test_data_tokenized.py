@@ -39,7 +39,7 @@ def test_tokenized_rows_match_direct_encoding(dataset, tokenizer_dir, tokenizer,
     assert result.path.parent == private_cache / "tokenized"
     assert result.path.name == result.content_hash[:16]
     expected = [encode_chat(tokenizer, row["messages"]) for row in ROWS]
-    assert load_tokenized(result) == expected
+    assert list(load_tokenized(result)) == expected
     assert (result.num_rows, result.num_examples, result.num_bad) == (3, 3, 1)
     assert result.num_tokens == sum(len(e["input_ids"]) for e in expected)
     assert result.num_trained_tokens == sum(sum(label != -100 for label in e["labels"]) for e in expected)
@@ -50,16 +50,16 @@ def test_tokenized_rows_match_direct_encoding(dataset, tokenizer_dir, tokenizer,
 
 def test_second_call_reuses_and_an_edit_invalidates(dataset, tokenizer_dir, monkeypatch, caplog):
     first = tokenize_dataset(dataset, tokenizer_dir, max_length=64, max_bad_fraction=0.5)
-    mtime = (first.path / "data.parquet").stat().st_mtime_ns
+    mtime = (first.path / "data.arrow").stat().st_mtime_ns
 
     def must_not_reload(*args, **kwargs):
         raise AssertionError("the cached entry should have been reused")
 
     with monkeypatch.context() as patch, caplog.at_level(logging.INFO, logger="twinkle_core.data"):
-        patch.setattr(tokenized, "load_rows", must_not_reload)
+        patch.setattr(tokenized, "read_record_chunks", must_not_reload)
         again = tokenize_dataset(dataset, tokenizer_dir, max_length=64, max_bad_fraction=0.5)
     assert again == first
-    assert (first.path / "data.parquet").stat().st_mtime_ns == mtime
+    assert (first.path / "data.arrow").stat().st_mtime_ns == mtime
     assert "reusing tokenised data" in caplog.text
     # The cached entry still honours a stricter threshold.
     with pytest.raises(DatasetError, match="max_bad_fraction=0.1"):

@@ -75,8 +75,8 @@ def test_tokenized_tool_rows_match_direct_encoding(tmp_path, qwen_dir):
     thinking = tokenize_dataset(path, qwen_dir, max_length=4096, chat_template="qwen3_5")
     plain = tokenize_dataset(path, qwen_dir, max_length=4096, chat_template="qwen3_5", enable_thinking=False)
     qwen = family_tokenizer("qwen3_5")
-    assert load_tokenized(thinking) == [encode_chat(qwen, TOOL_ROW["messages"], tools=TOOLS)]
-    assert load_tokenized(plain) == [encode_chat(qwen, TOOL_ROW["messages"], tools=TOOLS, enable_thinking=False)]
+    assert list(load_tokenized(thinking)) == [encode_chat(qwen, TOOL_ROW["messages"], tools=TOOLS)]
+    assert list(load_tokenized(plain)) == [encode_chat(qwen, TOOL_ROW["messages"], tools=TOOLS, enable_thinking=False)]
     assert plain.content_hash != thinking.content_hash
     assert plain.num_trained_tokens < thinking.num_trained_tokens  # the reasoning is no longer trained
 

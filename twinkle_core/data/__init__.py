@@ -9,12 +9,13 @@ from .rows import BadRow, LoadedRows, load_rows
 from .spans import assistant_spans
 from .templates import (DEFAULT_CHAT_TEMPLATE, ensure_chat_template, no_template_message, read_chat_template,
                         render_chat, use_chat_template)
+from .row_store import TokenizedRows
 from .tokenized import FORMAT_VERSION, TokenizedDataset, load_tokenized, read_meta, tokenize_dataset
 from .validate import validate_chat_row, validate_text_row
 
 __all__ = [
     "BadRow", "ChatTemplateError", "DEFAULT_CHAT_TEMPLATE", "DatasetError", "FORMAT_VERSION", "IGNORE_INDEX",
-    "LoadedRows", "RowError", "RowFormat", "TokenizedDataset", "assistant_spans", "block_causal_mask",
+    "LoadedRows", "RowError", "RowFormat", "TokenizedDataset", "TokenizedRows", "assistant_spans", "block_causal_mask",
     "chat_template_names", "collate", "count_trained_tokens", "encode_chat", "encode_prompt", "encode_text",
     "ensure_chat_template", "get_chat_template", "get_row_format", "load_rows", "load_tokenized",
     "no_template_message", "pack_examples", "read_chat_template", "read_meta", "register_row_format", "render_chat",

@@ -27,19 +27,45 @@ def read_records(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    for number, raw in _jsonl_lines(path):
+        yield number, parse_record(raw)
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(number, raw line) of every non-blank line; blank lines (often a trailing newline) are not rows."""
     with open(path, "rb") as handle:  # decoded line by line: one bad byte costs its row, not the file
         for number, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                yield number, RowError(f"not UTF-8 text (byte {error.start + 1} of the line is {raw[error.start]:#04x})")
-                continue
-            if not line.strip():
-                continue  # blank lines (often a trailing newline) are not rows
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as error:
-                yield number, RowError(f"invalid JSON: {error}")
+            if raw.strip():
+                yield number, raw
+
+
+def parse_record(record: Any) -> Any:
+    """A record as read_records gives it: raw .jsonl bytes are decoded and parsed here (a RowError if they
+    cannot be); records of other files are already parsed and pass through."""
+    if not isinstance(record, bytes):
+        return record
+    try:
+        line = record.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return RowError(f"not UTF-8 text (byte {error.start + 1} of the line is {record[error.start]:#04x})")
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        return RowError(f"invalid JSON: {error}")
+
+
+def read_record_chunks(path: Path, rows: int) -> Iterator[list[tuple[int, Any]]]:
+    """read_records in lists of at most `rows` records, for worker processes: .jsonl lines stay raw bytes, so
+    the workers parse them (parse_record) and the reader only splits lines."""
+    records = _jsonl_lines(path) if path.is_file() and path.suffix.lower() == ".jsonl" else read_records(path)
+    chunk: list[tuple[int, Any]] = []
+    for item in records:
+        chunk.append(item)
+        if len(chunk) == rows:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def _read_json_list(path: Path) -> Iterator[tuple[int, Any]]:

@@ -3,36 +3,40 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import Any
 
 from ..atomic import atomic_dir
 from ..hashing import hash_file, hash_json
 from ..paths import cache_dir
 from .errors import ChatTemplateError, DatasetError, RowError
 from .formats import get_row_format
-from .rows import BadRow, check_fraction, load_rows, report_bad_rows
+from .parallel import check_num_proc, map_chunks
+from .readers import SUFFIXES, parse_record, read_record_chunks, read_records
+from .row_store import ROWS_FILE, RowWriter, TokenizedRows
+from .rows import BadRow, check_fraction, report_bad_rows
 from .templates import use_chat_template
 
 logger = logging.getLogger(__name__)
 
 # Bump when the encoding or the stored layout changes, so stale cache entries are not reused.
 # 2: tools and reasoning rendered, replies located in the whole conversation, GLM-style turn ends trained.
-FORMAT_VERSION = 2
+# 3: rows in a memory-mapped Arrow file (data.arrow) instead of parquet; meta.json counts the sequences.
+FORMAT_VERSION = 3
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
     "preprocessor_config.json",  # a vision model's image sizes and normalisation
 )
 MAX_BAD_STORED = 1000  # meta.json lists at most this many bad rows; num_bad is always the true count
+CHUNK_ROWS = 1000  # rows a worker encodes at a time: the memory held is a few chunks per worker
 
 
 @dataclass(frozen=True)
 class TokenizedDataset:
-    """A cache entry: `path` holds data.parquet and meta.json."""
+    """A cache entry: `path` holds data.arrow (row_store) and meta.json."""
 
     path: Path
     content_hash: str
@@ -55,34 +59,154 @@ def _cache_key(dataset_path: Path, tokenizer_path: Path, tokenizer, settings: di
     })
 
 
-def _encode_rows(dataset_path: Path, tokenizer, kind: str, max_length: int, max_bad_fraction: float,
-                 enable_thinking: bool, encode_options: dict):
-    """Encoded, truncated examples, all bad rows (unreadable, unrenderable, or left untrained by truncation)
-    and the number of good source rows (a row may give several examples)."""
-    loaded = load_rows(dataset_path, kind, max_bad_fraction)
-    row_format = get_row_format(kind)
-    examples, bad, truncated, source_rows = [], list(loaded.bad), 0, 0
-    for row, line in zip(loaded.rows, loaded.lines):
+@dataclass(frozen=True)
+class EncodeSpec:
+    """What a worker process needs to encode rows as tokenize_dataset does (small and picklable)."""
+
+    dataset_path: str
+    tokenizer_path: str
+    kind: str
+    max_length: int
+    enable_thinking: bool
+    encode_options: str  # JSON: the spec is a cache key for the loaded encoder
+    trust_remote_code: bool
+    chat_template: str | None
+    chosen_template: str | None
+
+
+_ENCODERS: dict[EncodeSpec, tuple] = {}  # per process; forked workers inherit the parent's
+
+
+def _load_encoder(spec: EncodeSpec) -> tuple:
+    """(tokenizer, the row kind's encoder), loaded once per process."""
+    if spec not in _ENCODERS:
+        from transformers import AutoTokenizer  # heavy; only needed here, so importing the package stays light
+
+        row_format = get_row_format(spec.kind)
+        tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
+        use_chat_template(tokenizer, spec.chosen_template, spec.chat_template,
+                          required=row_format.needs_chat_template)
+        _ENCODERS[spec] = tokenizer, row_format.load_encoder(tokenizer, Path(spec.tokenizer_path))
+    return _ENCODERS[spec]
+
+
+@dataclass
+class EncodedChunk:
+    """A chunk's examples (truncated) with their (tokens, trained) counts, its bad rows, and its tallies."""
+
+    examples: list[dict] = field(default_factory=list)
+    counts: list[tuple[int, int]] = field(default_factory=list)
+    bad: list[BadRow] = field(default_factory=list)
+    records: int = 0  # every record read, good or bad
+    source_rows: int = 0  # rows that gave examples
+    truncated: int = 0
+
+
+def encode_chunk(spec: EncodeSpec, chunk: list[tuple[int, Any]]) -> EncodedChunk:
+    """Parse, validate, encode and truncate the (line, record) pairs of one chunk; a bad row is recorded
+    with its line (unreadable, invalid, unrenderable, or left untrained by truncation), never raised."""
+    _, encoder = _load_encoder(spec)
+    row_format, folder, out = get_row_format(spec.kind), Path(spec.dataset_path).parent, EncodedChunk()
+    options = json.loads(spec.encode_options)
+    for line, record in chunk:
+        out.records += 1
         try:
-            encoded = row_format.encode(tokenizer, row, enable_thinking=enable_thinking, **encode_options)
+            record = parse_record(record)
+            if isinstance(record, RowError):
+                raise record
+            encoded = row_format.encode(encoder, row_format.check(record, folder),
+                                        enable_thinking=spec.enable_thinking, **options)
         except (ChatTemplateError, RowError) as error:  # e.g. a Mistral tool call without a 9-character id
-            bad.append(BadRow(str(dataset_path), line, str(error)))
+            out.bad.append(BadRow(spec.dataset_path, line, str(error)))
             continue
         encoded = encoded if isinstance(encoded, list) else [encoded]  # a row may give several examples
-        truncated += any(row_format.was_truncated(example, max_length) for example in encoded)
-        encoded = [row_format.truncate(example, max_length) for example in encoded]
-        if any(row_format.count_tokens(example)[1] == 0 for example in encoded):
-            bad.append(BadRow(str(dataset_path), line, f"no trained token within max_length={max_length}: "
-                              "the reply starts after the cut; raise max_length or shorten the prompt"))
+        out.truncated += any(row_format.was_truncated(example, spec.max_length) for example in encoded)
+        encoded = [row_format.truncate(example, spec.max_length) for example in encoded]
+        counts = [row_format.count_tokens(example) for example in encoded]
+        if any(trained == 0 for _, trained in counts):
+            out.bad.append(BadRow(spec.dataset_path, line, f"no trained token within max_length={spec.max_length}: "
+                                  "the reply starts after the cut; raise max_length or shorten the prompt"))
             continue
-        examples.extend(encoded)
-        source_rows += 1
-    if truncated:
-        logger.info("%s: truncated %d of %d rows to max_length=%d",
-                    dataset_path, truncated, len(loaded.rows), max_length)
-    if len(bad) > len(loaded.bad):  # load_rows already reported its own bad rows
-        report_bad_rows(bad, len(loaded.rows) + len(loaded.bad), max_bad_fraction, str(dataset_path))
-    return examples, bad, source_rows
+        out.examples.extend(encoded)
+        out.counts.extend(counts)
+        out.source_rows += 1
+    return out
+
+
+class StreamPacker:
+    """Packs examples as they arrive, next-fit in order exactly as `row_format.pack` packs the whole list: a
+    sequence is closed when the next example would not fit, so only the open sequence is held."""
+
+    def __init__(self, row_format, max_length: int):
+        self.row_format, self.max_length = row_format, max_length
+        self.open: list[dict] = []
+        self.used = 0
+
+    def add(self, examples: list[dict]) -> list[dict]:
+        """The sequences that `examples` closed."""
+        closed = []
+        for example in examples:
+            length = len(example["input_ids"])
+            if self.open and self.used + length > self.max_length:
+                closed.extend(self.finish())
+            self.open.append(example)
+            self.used += length
+        return closed
+
+    def finish(self) -> list[dict]:
+        """The open sequence, packed (empty when none is open)."""
+        packed = self.row_format.pack(self.open, self.max_length) if self.open else []
+        self.open, self.used = [], 0
+        return packed
+
+
+@dataclass
+class _Tally:
+    records: int = 0
+    source_rows: int = 0
+    truncated: int = 0
+    examples: int = 0
+    tokens: int = 0
+    trained: int = 0
+    sequences: int = 0
+    rows: int = 0  # stored rows (packed sequences when packing)
+    bad_count: int = 0
+    bad: list[BadRow] = field(default_factory=list)
+
+
+def _encode_to(rows_file: Path, spec: EncodeSpec, packing: bool, num_proc: int, chunk_rows: int) -> _Tally:
+    """Stream the data file through `num_proc` encoding workers into `rows_file`, a chunk at a time."""
+    row_format, tally = get_row_format(spec.kind), _Tally()
+    packer = StreamPacker(row_format, spec.max_length) if packing else None
+    writer = RowWriter(rows_file)
+
+    def store(rows: list[dict], counts: list[tuple[int, int]]) -> None:
+        writer.write(rows)
+        tally.rows += len(rows)
+        tally.tokens += sum(tokens for tokens, _ in counts)
+        tally.trained += sum(trained for _, trained in counts)
+        tally.sequences += sum(row_format.num_sequences(row) for row in rows)
+
+    chunks = read_record_chunks(Path(spec.dataset_path), chunk_rows)
+    try:
+        for chunk in map_chunks(partial(encode_chunk, spec), chunks, num_proc):
+            tally.records += chunk.records
+            tally.source_rows += chunk.source_rows
+            tally.truncated += chunk.truncated
+            tally.examples += len(chunk.examples)
+            tally.bad_count += len(chunk.bad)
+            tally.bad.extend(chunk.bad[:MAX_BAD_STORED - len(tally.bad)])
+            if packer is None:
+                store(chunk.examples, chunk.counts)
+            else:
+                packed = packer.add(chunk.examples)
+                store(packed, [row_format.count_tokens(row) for row in packed])
+        if packer is not None:
+            packed = packer.finish()
+            store(packed, [row_format.count_tokens(row) for row in packed])
+    finally:
+        writer.close()
+    return tally
 
 
 def tokenize_dataset(
@@ -98,23 +222,29 @@ def tokenize_dataset(
     chosen_template: str | None = None,
     trust_remote_code: bool = False,
     encode_options: dict | None = None,
+    num_proc: int | None = None,
+    chunk_rows: int = CHUNK_ROWS,
 ) -> TokenizedDataset:
     """Encode every row of a data file with a local tokenizer directory, or reuse the cached result.
 
+    The file is read as a stream and encoded by `num_proc` worker processes (None: the machine's cores, see
+    parallel.default_num_proc), `chunk_rows` rows at a time, and written as it goes: the memory held is set by
+    the chunk, not by the file. The result does not depend on num_proc or chunk_rows (neither is in the key).
     enable_thinking=False trains chat replies without their reasoning. `chat_template` names a family template
     (see chat_template_names()) for a tokenizer that ships none; a tokenizer's own template is kept, unless
     `chosen_template` (Jinja source the user chose) replaces it. Chat rows need one of the three.
     `encode_options` go to the row kind's encoder (e.g. the query prompt of embedding pairs) and into the key.
     """
-    from transformers import AutoTokenizer  # heavy; only needed here, so importing the package stays light
-
     row_format = get_row_format(kind)
     encode_options = dict(encode_options or {})
     check_fraction(max_bad_fraction)
+    num_proc = check_num_proc(num_proc)
     if packing and not row_format.packable:
         raise ValueError(f"packing=True: {kind} rows cannot be packed")
     if max_length < 1:
         raise ValueError(f"max_length={max_length} must be a positive number of tokens")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows={chunk_rows} must be at least 1")
     dataset_path, tokenizer_path = Path(dataset_path), Path(tokenizer_path)
     if not dataset_path.is_file():
         raise DatasetError(f"dataset_path={str(dataset_path)!r} does not exist or is not a file")
@@ -122,9 +252,22 @@ def tokenize_dataset(
         raise ValueError(
             f"tokenizer_path={str(tokenizer_path)!r} is not a directory; pass a local model or tokenizer folder"
         )
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
-    use_chat_template(tokenizer, chosen_template, chat_template, required=row_format.needs_chat_template)
-    encoder = row_format.load_encoder(tokenizer, tokenizer_path)
+    if dataset_path.suffix.lower() not in SUFFIXES:
+        read_records(dataset_path)  # raises the unsupported-suffix error before the tokenizer loads
+    spec = EncodeSpec(str(dataset_path), str(tokenizer_path), kind, max_length, enable_thinking,
+                      json.dumps(encode_options, sort_keys=True), trust_remote_code, chat_template, chosen_template)
+    try:
+        return _tokenize(spec, packing, max_bad_fraction, num_proc, chunk_rows)
+    finally:
+        _ENCODERS.pop(spec, None)  # the workers are done with it; a flow process may tokenise many sets
+
+
+def _tokenize(spec: EncodeSpec, packing: bool, max_bad_fraction: float, num_proc: int,
+              chunk_rows: int) -> TokenizedDataset:
+    tokenizer, _ = _load_encoder(spec)
+    dataset_path, tokenizer_path = Path(spec.dataset_path), Path(spec.tokenizer_path)
+    kind, max_length, enable_thinking = spec.kind, spec.max_length, spec.enable_thinking
+    encode_options = json.loads(spec.encode_options)
     settings = {"kind": kind, "max_length": max_length, "packing": packing, "enable_thinking": enable_thinking}
     if encode_options:
         settings["encode_options"] = encode_options
@@ -137,44 +280,31 @@ def tokenize_dataset(
         total = rows_read + dataset.num_bad
         report_bad_rows(list(dataset.bad), total, max_bad_fraction, str(dataset_path), num_bad=dataset.num_bad)
         return dataset
-    examples, bad, source_rows = _encode_rows(dataset_path, encoder, kind, max_length, max_bad_fraction, enable_thinking,
-                                 encode_options)
-    rows = row_format.pack(examples, max_length) if packing else examples
-    counts = [row_format.count_tokens(row) for row in rows]
-    meta = {
-        "content_hash": key, "format_version": FORMAT_VERSION, **settings,
-        "num_rows": len(rows), "num_examples": len(examples), "num_source_rows": source_rows, "num_bad": len(bad),
-        "num_tokens": sum(tokens for tokens, _ in counts),
-        "num_trained_tokens": sum(trained for _, trained in counts),
-        "bad": [vars(row) for row in bad[:MAX_BAD_STORED]],
-    }
     with atomic_dir(final) as tmp:
-        _write_parquet(rows, tmp / "data.parquet")
+        tally = _encode_to(tmp / ROWS_FILE, spec, packing, num_proc, chunk_rows)
+        report_bad_rows(tally.bad, tally.records, max_bad_fraction, str(dataset_path), num_bad=tally.bad_count)
+        if tally.truncated:
+            logger.info("%s: truncated %d of %d rows to max_length=%d",
+                        dataset_path, tally.truncated, tally.records - tally.bad_count, max_length)
+        meta = {
+            "content_hash": key, "format_version": FORMAT_VERSION, **settings,
+            "num_rows": tally.rows, "num_examples": tally.examples, "num_source_rows": tally.source_rows,
+            "num_bad": tally.bad_count, "num_tokens": tally.tokens, "num_trained_tokens": tally.trained,
+            "num_sequences": tally.sequences, "bad": [vars(row) for row in tally.bad],
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     logger.info("tokenised %s: %d rows, %d tokens (%d trained) in %s",
-                dataset_path, len(rows), meta["num_tokens"], meta["num_trained_tokens"], final)
+                dataset_path, meta["num_rows"], meta["num_tokens"], meta["num_trained_tokens"], final)
     return read_meta(final)
 
 
-def _column_type(values: list) -> pa.DataType:
-    """int32 token lists, or lists of them (an embedding row's hard negatives or a vision row's media grids), or
-    numbers (a preference pair's reference log-probs), or float32 lists (a vision row's pixel patches)."""
-    if values and isinstance(values[0], float):
-        return pa.float64()
-    if any(value and isinstance(value[0], float) for value in values if isinstance(value, list)):
-        return pa.list_(pa.float32())
-    if values and isinstance(values[0], str):  # a prompt row's text and fields
-        return pa.string()
-    nested = any(value and isinstance(value[0], list) for value in values)
-    return pa.list_(pa.list_(pa.int32())) if nested else pa.list_(pa.int32())
-
-
-def _write_parquet(rows: list[dict], path: Path) -> None:
-    columns = {}
-    for name in rows[0]:
-        values = [row[name] for row in rows]
-        columns[name] = pa.array(values, type=_column_type(values))
-    pq.write_table(pa.table(columns), path)
+def write_rows(rows: list[dict], directory: Path) -> None:
+    """Store `rows` as a tokenised set's rows file in `directory` (beside which a meta.json must go)."""
+    writer = RowWriter(Path(directory) / ROWS_FILE)
+    try:
+        writer.write(rows)
+    finally:
+        writer.close()
 
 
 def read_meta(path: str | Path) -> TokenizedDataset:
@@ -188,18 +318,8 @@ def read_meta(path: str | Path) -> TokenizedDataset:
     )
 
 
-def load_tokenized(path: str | Path | TokenizedDataset) -> list[dict]:
-    """The stored rows as dicts of int lists (input_ids, labels, and position_ids when packed); float lists (a
-    vision row's pixel patches) as float32 numpy arrays, which load several times faster than Python floats."""
-    if isinstance(path, TokenizedDataset):
-        path = path.path
-    table = pq.read_table(Path(path) / "data.parquet")
-    floats = [field.name for field in table.schema
-              if pa.types.is_list(field.type) and pa.types.is_floating(field.type.value_type)]
-    rows = table.drop(floats).to_pylist() if floats else table.to_pylist()
-    for name in floats:
-        column = table.column(name).combine_chunks()
-        offsets, values = column.offsets.to_numpy(), column.values.to_numpy()
-        for row, start, end in zip(rows, offsets[:-1], offsets[1:]):
-            row[name] = values[start:end]
-    return rows
+def load_tokenized(path: str | Path | TokenizedDataset) -> TokenizedRows:
+    """The stored rows, opened lazily (memory-mapped): each row, when asked for, is a dict of int lists
+    (input_ids, labels, and position_ids when packed), float lists (a vision row's pixel patches) as float32
+    numpy arrays."""
+    return TokenizedRows(path.path if isinstance(path, TokenizedDataset) else path)

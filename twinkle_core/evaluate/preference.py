@@ -122,16 +122,16 @@ def write_reference(config: ReferenceConfig) -> Path:
     if (final / "meta.json").is_file():
         logger.info("reusing reference log-probs %s", final)
         return final
-    from twinkle_core.data.tokenized import _write_parquet
+    from twinkle_core.data.tokenized import write_rows
 
-    examples = load_tokenized(config.data)
+    examples = list(load_tokenized(config.data))  # the rows gain two columns: a preference set is small
     logps, _ = pair_logps(load_model(config, None), examples, config.batch_size)
     for example, (chosen, rejected) in zip(examples, logps.tolist()):
         example[REFERENCE_KEYS[0]], example[REFERENCE_KEYS[1]] = float(chosen), float(rejected)
     meta = json.loads((Path(config.data) / "meta.json").read_text())
     meta.update(content_hash=key, reference_of=config.content_hash, reference_model=config.model_hash)
     with atomic_dir(final) as tmp:
-        _write_parquet(examples, tmp / "data.parquet")
+        write_rows(examples, tmp)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     logger.info("reference log-probs of %d pairs in %s", len(examples), final)
     return final

@@ -7,7 +7,7 @@ exactly the global batch one process would, so the token-normalised update is th
 from __future__ import annotations
 
 import random
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from twinkle_core.data.encode import IGNORE_INDEX
 
@@ -32,12 +32,13 @@ def local_rows(rows: list[dict], rank: int, world: int) -> list[dict]:
 
 
 
-def local_micro_batches(examples: list[dict], batch_size: int, seed: int, rank: int, world: int,
+def local_micro_batches(examples: Sequence[dict], batch_size: int, seed: int, rank: int, world: int,
                         skip: int = 0) -> Iterator[list[dict]]:
     """This rank's rows of every global micro-batch: a fresh seeded shuffle each epoch, forever.
 
     `batch_size` rows make one global micro-batch (the caller's step count ends the loop). The first `skip`
-    micro-batches (trained on before a resume) are passed over.
+    micro-batches (trained on before a resume) are passed over. Only this rank's rows are read from `examples`
+    (a lazily read TokenizedRows reads nothing else).
     """
     order_rng = random.Random(seed)
     while True:
@@ -47,4 +48,7 @@ def local_micro_batches(examples: list[dict], batch_size: int, seed: int, rank: 
             if skip > 0:
                 skip -= 1
                 continue
-            yield local_rows([examples[i] for i in order[start:start + batch_size]], rank, world)
+            batch = order[start:start + batch_size]
+            share = batch[rank::world]
+            # A rank left without rows gets local_rows' masked stand-in, built from the batch's first row.
+            yield [examples[i] for i in share] if share else local_rows([examples[batch[0]]], rank, world)

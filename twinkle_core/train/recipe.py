@@ -77,8 +77,7 @@ class SFTRecipe:
         trainable = sum(p.numel() for p in self.model.trainable_parameters())
         emit("setup", examples=len(self.examples), total_steps=self.total_steps, trainable_params=trainable)
         # Read from disk: a DDP/FSDP wrapper hides the model's config.
-        tokens = sum(self.row_format.count_tokens(row)[0] for row in self.examples)
-        seq_len = round(tokens / sum(self.row_format.num_sequences(row) for row in self.examples))
+        seq_len = round(self.examples.meta["num_tokens"] / self.examples.meta["num_sequences"])  # counted once
         self.perf = StepPerf(AutoConfig.from_pretrained(self.model.hf_dir), seq_len, self.model.device,
                              world_size_from_env(), self.model.precision.compute_dtype,
                              lora_params=trainable if cfg.use_lora else None,

@@ -1,6 +1,9 @@
 """Turn validated rows into token ids and labels (-100 where no loss is taken)."""
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from .spans import assistant_spans
@@ -38,18 +41,24 @@ def encode_chat(
     """
     text, spans = assistant_spans(tokenizer, messages, tools=tools, enable_thinking=enable_thinking)
     input_ids, offsets = _tokenize_with_offsets(tokenizer, text)
-    labels = [IGNORE_INDEX] * len(input_ids)
-    span_index = 0
-    for position, (start, end) in enumerate(offsets):
-        # Spans and offsets are both in text order, so one pass over each suffices.
-        while span_index < len(spans) and spans[span_index][1] <= start:
-            span_index += 1
-        if span_index == len(spans):
-            break
-        span_start, span_end = spans[span_index]
-        if end > span_start and start < span_end:  # any overlap: a token straddling header and reply is trained
-            labels[position] = input_ids[position]
-    return truncate({"input_ids": input_ids, "labels": labels}, max_length)
+    return truncate({"input_ids": input_ids, "labels": _reply_labels(input_ids, offsets, spans)}, max_length)
+
+
+def _reply_labels(input_ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """input_ids where a token overlaps a reply span (a token straddling header and reply is trained), else
+    IGNORE_INDEX. Spans are in text order and do not overlap, so a token can only overlap the first span that
+    ends after the token starts: one binary search per token, in numpy."""
+    if not spans or not input_ids:
+        return [IGNORE_INDEX] * len(input_ids)
+    ids = np.asarray(input_ids, dtype=np.int64)
+    pairs = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
+    starts, ends = pairs[0::2], pairs[1::2]
+    span_starts, span_ends = (np.asarray(column, dtype=np.int64) for column in zip(*spans))
+    first = np.searchsorted(span_ends, starts, side="right")  # the first span ending after the token starts
+    found = first < len(spans)
+    first = np.minimum(first, len(spans) - 1)
+    overlaps = found & (ends > span_starts[first]) & (starts < span_ends[first])
+    return np.where(overlaps, ids, IGNORE_INDEX).tolist()
 
 
 def encode_text(tokenizer, text: str, max_length: int | None = None) -> dict:
@@ -74,5 +83,7 @@ def encode_prompt(
 
 def count_trained_tokens(labels) -> int:
     """Tokens that carry loss: labels != -100, past position 0 (causal LMs never predict the first token)."""
+    if isinstance(labels, list) and (not labels or isinstance(labels[0], int)):  # one row: no tensor needed
+        return len(labels) - 1 - labels[1:].count(IGNORE_INDEX) if labels else 0
     tensor = torch.as_tensor(labels)
     return int((tensor[..., 1:] != IGNORE_INDEX).sum())

@@ -32,7 +32,8 @@ def assistant_spans(
     conversation up to a reply only shows what that reply looks like.
     """
     messages = normalise_messages(messages, enable_thinking)
-    render = functools.partial(render_messages, tokenizer, tools=tools, enable_thinking=enable_thinking)
+    render = _PrefixRenderer(functools.partial(render_messages, tokenizer, tools=tools, enable_thinking=enable_thinking),
+                             messages)
     text = render(messages)
     specials = _special_tokens(tokenizer)
     spans: list[tuple[int, int]] = []
@@ -53,6 +54,20 @@ def assistant_spans(
         spans.append((start, end))
         cursor = end
     return text, spans
+
+
+class _PrefixRenderer:
+    """Renders prefixes of one conversation, each (length, generation prompt) once: the last reply's turn is
+    the whole conversation, which assistant_spans has rendered already (a quarter of a one-turn row's work)."""
+
+    def __init__(self, render, messages: list[dict]):
+        self.render, self.messages, self.done = render, messages, {}
+
+    def __call__(self, prefix: list[dict], add_generation_prompt: bool = False) -> str:
+        key = (len(prefix), add_generation_prompt)
+        if key not in self.done:  # every prefix is a slice of self.messages, so its length names it
+            self.done[key] = self.render(prefix, add_generation_prompt=add_generation_prompt)
+        return self.done[key]
 
 
 def _render_turn(tokenizer, render, messages: list[dict], index: int) -> _Turn | None:

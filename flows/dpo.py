@@ -129,9 +129,9 @@ def dpo(config: DPOConfig = DPOConfig()) -> dict:
     config.check_model(model)
     train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)
     train_data = tokenize(train_file, model, config.max_length, False, config.max_bad_fraction,
-                          config.enable_thinking, "preference")
+                          config.enable_thinking, "preference", num_proc=config.num_proc)
     heldout = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction, config.enable_thinking,
-                       "preference")
+                       "preference", num_proc=config.num_proc)
     prompts = sample_prompts(eval_file, config.eval_prompts, kind="preference")
     if config.precompute_reference:  # training then holds no reference model
         train_data = reference_logps(model, train_data, str(run_dir), config.mixed_precision,

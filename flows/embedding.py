@@ -112,7 +112,7 @@ def embedding(config: EmbeddingConfig = EmbeddingConfig()) -> dict:
     settings = resolve_settings(model.path, get_family(model.family), config.pooling, config.query_task)
     train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)
     train_data = tokenize(train_file, model, config.max_length, False, config.max_bad_fraction, True, "pairs",
-                          settings.encode_options())
+                          settings.encode_options(), num_proc=config.num_proc)
     with TrackedRun(config, run_dir, "embedding") as tracked:
         run_config = config.run_config(model, train_data.path, run_dir / "checkpoints", tracked.run_id, settings)
         checkpoint = train(run_config, str(run_dir), timeout_s=config.timeout_minutes * 60,

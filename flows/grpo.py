@@ -141,9 +141,9 @@ def grpo(config: GRPOConfig = GRPOConfig()) -> dict:
     config.check_model(model)
     train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)
     train_data = tokenize(train_file, model, config.max_length, False, config.max_bad_fraction,
-                          config.enable_thinking, "prompts")
+                          config.enable_thinking, "prompts", num_proc=config.num_proc)
     heldout = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction, config.enable_thinking,
-                       "prompts")
+                       "prompts", num_proc=config.num_proc)
     with TrackedRun(config, run_dir, "grpo") as tracked:
         run_config = config.run_config(model, train_data.path, run_dir / "checkpoints", tracked.run_id)
         checkpoint = train(run_config, str(run_dir), timeout_s=config.timeout_minutes * 60,

@@ -159,9 +159,9 @@ def _prepare_tenant(config: MultiLoraConfig, tenant: TenantSpec, model: ModelRef
     train_file, eval_file = download_dataset(tenant.dataset), download_dataset(tenant.eval_dataset)
     kind = get_objective(config.objective).row_kind
     train_data = tokenize(train_file, model, config.max_length, False, config.max_bad_fraction,
-                          config.enable_thinking, kind)
+                          config.enable_thinking, kind, num_proc=config.num_proc)
     eval_data = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction,
-                         config.enable_thinking, kind)
+                         config.enable_thinking, kind, num_proc=config.num_proc)
     prompts = sample_prompts(eval_file, config.eval_prompts)
     shared = set(TenantRunConfig.model_fields) & set(TenantSpec.model_fields)
     run = TenantRunConfig(**tenant.model_dump(include=shared), train_data=train_data.path, mlflow_run_id=run_id)

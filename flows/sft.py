@@ -93,9 +93,9 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
     objective = get_objective(config.objective)
     kind, media = objective.row_kind, objective.encode_options(config.objective_options()) or None
     train_data = tokenize(train_file, model, config.max_length, config.packing, config.max_bad_fraction,
-                          config.enable_thinking, kind, media)
+                          config.enable_thinking, kind, media, num_proc=config.num_proc)
     eval_data = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction, config.enable_thinking,
-                         kind, media)
+                         kind, media, num_proc=config.num_proc)
     prompts = sample_prompts(eval_file, config.eval_prompts, kind)
     hf_model = model  # evaluation loads the trained adapter or model with transformers
     model = convert(model, config.backend, config.tp_size, config.pp_size, config.timeout_minutes * 60)

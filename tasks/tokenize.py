@@ -9,17 +9,19 @@ from twinkle_core.data import tokenize_dataset
 from twinkle_core.families import get_family
 
 
-@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
+# num_proc is not in the key: the encoding does not depend on how many processes ran it.
+@task(cache_policy=(INPUTS - "num_proc") + TASK_SOURCE, persist_result=True, result_serializer="json")
 def tokenize(dataset: DatasetRef, model: ModelRef, max_length: int, packing: bool = False,
              max_bad_fraction: float = 0.01, enable_thinking: bool = True, kind: str = "chat",
-             encode_options: dict | None = None) -> TokenizedRef:
-    """Tokenise `dataset` for `model`; inputs carry content hashes, so an edited file re-runs this.
-    `encode_options` go to the row kind's encoder (embedding pairs: the query prompt, EOS or not)."""
+             encode_options: dict | None = None, num_proc: int | None = None) -> TokenizedRef:
+    """Tokenise `dataset` for `model` in `num_proc` worker processes (None: the cores); inputs carry content
+    hashes, so an edited file re-runs this. `encode_options` go to the row kind's encoder (embedding pairs: the
+    query prompt, EOS or not)."""
     result = tokenize_dataset(dataset.path, model.path, kind=kind, max_length=max_length, packing=packing,
                               max_bad_fraction=max_bad_fraction, enable_thinking=enable_thinking,
                               chat_template=get_family(model.family).chat_template,
                               chosen_template=model.template_source, trust_remote_code=model.trust_remote_code,
-                              encode_options=encode_options)
+                              encode_options=encode_options, num_proc=num_proc)
     log = get_run_logger()
     log.info("%s: %d rows, %d tokens (%d trained), %d bad rows skipped", dataset.dataset_id, result.num_rows,
              result.num_tokens, result.num_trained_tokens, result.num_bad)

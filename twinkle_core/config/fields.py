@@ -33,7 +33,7 @@ SchedulerName = Literal["CosineWarmupScheduler", "LinearWarmupScheduler", "Const
 
 # ----- what to train on ------------------------------------------------------------------------------------
 ModelId = Annotated[str, Field(description="Model: ms://org/name[@rev], hf://org/name[@rev], pkg://package/path, or a local path (GGUF files are converted once; a Megatron checkpoint folder of this project where the flow reads one).")]
-DatasetId = Annotated[str, Field(description="Training data: ms://org/name[@rev][:split], hf://…, pkg://… or a local .jsonl/.json/.parquet.")]
+DatasetId = Annotated[str, Field(description="Training data: ms://org/name[@rev][:split], hf://…, pkg://… or a local .jsonl/.json/.parquet; pretrain also takes a Megatron-LM corpus PREFIX (PREFIX.bin + PREFIX.idx) and a weighted blend \"0.7 A 0.3 B\".")]
 EvalDatasetId = Annotated[str, Field(description="Held-out data of the same kind: its loss and the before/after answers.")]
 ChatTemplateChoice = Annotated[str | None, Field(description="Chat template, for any family: one of ours by name (qwen3, llama3, chatml, …) or a .jinja file. Default: the tokenizer's own, else the tested family's; a model of an untested family with neither needs this.")]
 TrustRemoteCode = Annotated[bool, Field(description="Run the modelling code a checkpoint ships beside its weights (config.json auto_map). Off by default: it executes that code on this machine with your rights.")]
@@ -43,6 +43,7 @@ BackendName = Annotated[Backend, Field(description="Training backend: transforme
 # ----- data ----------------------------------------------------------------------------------------------
 MaxLength = Annotated[int, Field(ge=16, description="Tokens per sample; longer samples are truncated.")]
 Packing = Annotated[bool, Field(description="Pack several samples into one sequence (attention kept per sample).")]
+NumProc = Annotated[int | None, Field(ge=1, description="Worker processes that tokenise the data set; empty: the machine's cores (at most 8). The result does not depend on it.")]
 MaxBadFraction = Annotated[float, Field(ge=0, le=1, description="Fail when more than this fraction of rows is malformed.")]
 EnableThinking = Annotated[bool, Field(description="Thinking-mode families (Qwen 3.5, DeepSeek R1/V4): train the reasoning of the last turn; false trains without it.")]
 

@@ -14,7 +14,7 @@ from typing import ClassVar
 from pydantic import model_validator
 
 from tasks.refs import ModelRef
-from twinkle_core.config.fields import ModelId, ModelSourceFields, NumProc
+from twinkle_core.config.fields import ModelId, ModelSourceFields
 from twinkle_core.data import read_chat_template
 from twinkle_core.parallel import ParallelConfig
 from twinkle_core.train.checks import check_run, model_config_of
@@ -30,7 +30,6 @@ class TrainingFlowConfig(ModelSourceFields):
     resumable: ClassVar[bool] = True  # --resume RUN_FOLDER continues a run in its folder (flows.run_folder)
 
     model_id: ModelId = DEFAULT_MODEL
-    num_proc: NumProc = None
 
     @model_validator(mode="after")
     def _check_run(self):

@@ -2,6 +2,7 @@
 
     python -m flows.pretrain                          # the default model on the bundled corpus, on CPU
     python -m flows.pretrain --nproc-per-node 2 --tp-size 2 --dataset corpus.jsonl --seq-length 1024
+    python -m flows.pretrain --dataset "0.7 web_text_document 0.3 code.jsonl"   # a blend; PREFIX = PREFIX.bin/.idx
     python -m flows.pretrain --help                   # every option
 """
 from __future__ import annotations
@@ -12,24 +13,26 @@ from typing import ClassVar
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
 from flows.run_folder import discard_bare_run_folder, run_folder
 from tasks.convert import convert, open_megatron_checkpoint, to_hf
-from tasks.download import download_dataset, download_model
+from tasks.download import download_corpus, download_model, indexed_prefix
 from tasks.evaluate_lm import evaluate_lm
-from tasks.pack import pack
-from tasks.refs import CheckpointRef, ModelRef, PackedRef
+from tasks.pack import blend, pack
+from tasks.refs import CheckpointRef, DatasetRef, ModelRef, PackedRef
 from tasks.register import register
 from tasks.track import finish_tracking, log_loss_curve, prefect_tags, start_tracking
 from tasks.train import train
 from twinkle_core.config.fields import (CheckpointEvery, DatasetId, DocumentMasks, EvalBatches, ExperimentName,
                                         GlobalBatchSize, LearningRate, MachinesFields, MaxBadFraction, MaxSteps,
-                                        MicroBatchSize, MixedPrecisionMode, ModelParallelFields, OptimizerFields,
-                                        ProcessFields, RegisteredModelName, RunFields, SeqLength, ValidationFraction,
-                                        VirtualPipelineStages, WarmupRatio, WeightDecay)
+                                        MicroBatchSize, MixedPrecisionMode, ModelParallelFields, NumProc,
+                                        OptimizerFields, ProcessFields, RegisteredModelName, RunFields, SeqLength,
+                                        ValidationFraction, VirtualPipelineStages, WarmupRatio, WeightDecay)
+from twinkle_core.data.blend import parse_data_path
+from twinkle_core.hub import HubError, id_problems
 from twinkle_core.tracking import tracking_uri
 from twinkle_core.train.pretrain import PretrainRunConfig
 
@@ -37,13 +40,31 @@ DEFAULT_CORPUS = "pkg://twinkle_core/datasets/pretrain/corpus.jsonl"
 
 
 class CorpusFields(BaseModel):
-    """The corpus of {"text": ...} rows and how it is packed."""
+    """The corpus ({"text": ...} rows, a Megatron-LM .bin/.idx prefix, or a weighted blend) and how it is packed."""
 
     dataset: DatasetId = DEFAULT_CORPUS
     seq_length: SeqLength = 64
     validation_fraction: ValidationFraction = 0.2
     document_masks: DocumentMasks = True
     max_bad_fraction: MaxBadFraction = 0.01
+    num_proc: NumProc = None
+
+    @field_validator("dataset")
+    @classmethod
+    def _check_blend(cls, dataset: str) -> str:
+        parse_data_path(dataset)  # a malformed blend fails before any task runs
+        return dataset
+
+    def dataset_problems(self) -> list[str]:
+        """Each corpus of the blend (or the one corpus) exists: a Megatron prefix, or an id download resolves."""
+        problems = []
+        for _, dataset_id in parse_data_path(self.dataset):
+            try:
+                if indexed_prefix(dataset_id) is None:
+                    problems += id_problems("dataset", dataset_id)
+            except HubError as error:
+                problems.append(f"dataset={self.dataset!r}: {error}")
+        return problems
 
 
 class PretrainConfig(RunFields, ModelParallelFields, MachinesFields, ProcessFields, OptimizerFields, CorpusFields,
@@ -98,9 +119,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> dict:
     timeout_s = config.timeout_minutes * 60
     model = download_model(config.model_id, **config.model_options())
     config.check_model(model)  # model-dependent rules (tp_size vs the heads, MoE under tp) before the rest
-    dataset = download_dataset(config.dataset)
-    data = pack(dataset, model, config.seq_length, config.validation_fraction,
-                config.seed, config.max_bad_fraction)
+    dataset, data = _corpus(config, model)
     megatron_model = convert(model, "megatron", config.tp_size, config.pp_size, timeout_s)
     tags = prefect_tags("pretrain")
     run_id = start_tracking(config.experiment_name, run_dir.name, config.model_dump(mode="json"),
@@ -133,15 +152,31 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> dict:
             "metrics": checkpoint.final_metrics}
 
 
+def _corpus(config: PretrainConfig, model: ModelRef) -> tuple[DatasetRef, PackedRef]:
+    """Download and pack each corpus of `config.dataset`; a blend of several is blended (and registered as
+    one data set: the blend text, keyed by the blend's content)."""
+    parts = parse_data_path(config.dataset)
+    datasets = [download_corpus(dataset_id) for _, dataset_id in parts]
+    packed = [pack(dataset, model, config.seq_length, config.validation_fraction, config.seed,
+                   config.max_bad_fraction, config.num_proc) for dataset in datasets]
+    if len(parts) == 1:
+        return datasets[0], packed[0]
+    data = blend(packed, [weight for weight, _ in parts], [dataset_id for _, dataset_id in parts])
+    return DatasetRef(dataset_id=config.dataset, path=data.path, content_hash=data.content_hash), data
+
+
 def _summary(config: PretrainConfig, checkpoint: CheckpointRef, report: dict, registration: dict,
              data: PackedRef) -> str:
     m = checkpoint.final_metrics
     layout = f"tp {config.tp_size} × pp {config.pp_size} × ep {config.ep_size}" + (
         " + sequence parallel" if config.sequence_parallel else "")
+    blend = [f"  - {part.weight:.3g} × `{part.dataset_id}`: {part.train_sequences} training and "
+             f"{part.validation_sequences} validation sequences" for part in data.blend]
     return "\n".join([
         "## Twinkle Flows: pre-training summary", "",
         f"- model: `{config.model_id}`, corpus `{config.dataset}`: {data.train_sequences} training and "
-        f"{data.validation_sequences} validation sequences of {config.seq_length} tokens",
+        f"{data.validation_sequences} validation sequences of {config.seq_length} tokens"
+        + (f", a blend of {len(blend)} corpora:" if blend else ""), *blend,
         f"- {config.max_steps} steps of {config.global_batch_size} sequences on megatron-core, "
         f"{config.world_size()} process(es), {layout}, {checkpoint.train_seconds:.1f} s",
         f"- last step: loss {m.get('loss', float('nan')):.4f}, {m.get('tokens_per_s_total', 0):.0f} tokens/s, "

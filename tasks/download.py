@@ -9,6 +9,7 @@ from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from prefect.context import TaskRunContext
 
 from tasks.refs import DatasetRef, ModelRef
+from twinkle_core.data.pretrain import check_indexed_prefix, indexed_corpus_hash, is_indexed_prefix
 from twinkle_core.families import UnsupportedModelError, family_for_model_dir
 from twinkle_core.hashing import hash_json
 from twinkle_core.hub import HubError, HubUnreachable, check_weight_files, resolve_dataset, resolve_model
@@ -19,6 +20,16 @@ def _local_fingerprint(path: Path) -> list:
     """Size and mtime of a local file or of every file in a folder: editing it changes the cache key."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
+def _fingerprint(local: Path) -> list | None:
+    """_local_fingerprint of a local file or folder, or of PREFIX.bin/.idx for a Megatron corpus prefix."""
+    if local.suffix in (".bin", ".idx"):  # a Megatron corpus named by one of its files: key both
+        local = local.with_suffix("")
+    if local.exists():
+        return _local_fingerprint(local)
+    files = [Path(f"{local}{suffix}") for suffix in (".bin", ".idx")]
+    return [entry for p in files if p.is_file() for entry in _local_fingerprint(p)] or None
 
 
 def _local_source(text: str) -> Path | None:
@@ -38,7 +49,7 @@ def _id_cache_key(context: TaskRunContext, parameters: dict) -> str:
     The id is the first parameter; the others (load options) are part of the key as they are."""
     text, *options = parameters.values()
     local = _local_source(text)
-    fingerprint = _local_fingerprint(local) if local is not None and local.exists() else None
+    fingerprint = _fingerprint(local) if local is not None else None
     return hash_json([text, fingerprint, str(cache_root()), options])
 
 
@@ -92,3 +103,31 @@ def download_dataset(dataset_id: str) -> DatasetRef:
     """Resolve a dataset id (ms://, hf://, pkg://, local .jsonl/.json/.parquet) to one local file."""
     resolved = resolve_dataset(dataset_id)
     return DatasetRef(dataset_id=dataset_id, path=str(resolved.path), content_hash=resolved.content_hash)
+
+
+def indexed_prefix(dataset_id: str) -> Path | None:
+    """The Megatron corpus prefix a local id names (PREFIX, or PREFIX.bin / PREFIX.idx), else None; a prefix
+    with only one of its two files is refused here, naming the missing one."""
+    local = _local_source(dataset_id)
+    if local is None or local.is_dir():
+        return None
+    prefix = local.with_suffix("") if local.suffix in (".bin", ".idx") else local
+    if prefix.is_file() or not any(Path(f"{prefix}{s}").is_file() for s in (".bin", ".idx")):
+        return None
+    try:
+        check_indexed_prefix(prefix)
+    except FileNotFoundError as error:
+        raise HubError(f"dataset id {dataset_id!r}: {error}") from None
+    return prefix
+
+
+@task(cache_policy=ID_CACHE, persist_result=True, result_serializer="json", retries=2,
+      retry_delay_seconds=5, retry_condition_fn=_is_transient)
+def download_corpus(dataset_id: str) -> DatasetRef:
+    """A pre-training corpus: a Megatron-LM corpus prefix (PREFIX.bin + PREFIX.idx, as --data-path takes it)
+    read where it lies, else whatever download_dataset resolves. Only the pretrain flow reads prefixes, so
+    download_dataset itself still refuses them (the other flows would fail later, less clearly)."""
+    prefix = indexed_prefix(dataset_id)
+    if prefix is None:
+        return download_dataset.fn(dataset_id)
+    return DatasetRef(dataset_id=dataset_id, path=str(prefix.resolve()), content_hash=indexed_corpus_hash(prefix))

@@ -7,7 +7,7 @@ from prefect import get_run_logger, task
 from transformers import AutoModelForCausalLM
 
 from tasks.refs import ModelRef, PackedRef
-from twinkle_core.data.pretrain import PackedSplit
+from twinkle_core.data.pretrain import open_split
 from twinkle_core.models.stepper import held_out_metrics
 from twinkle_core.tracking import tracking_uri
 
@@ -17,7 +17,7 @@ def evaluate_lm(model: ModelRef, data: PackedRef, rows: int, batches: int, seed:
                 mlflow_run_id: str | None = None) -> dict:
     """Loss and perplexity with transformers on the validation batches the trainer measured (a check of the
     export: it should equal the Megatron model's trained validation loss)."""
-    split = PackedSplit.open(data.path, "validation")
+    split = open_split(data.path, "validation")
     hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():

@@ -30,12 +30,20 @@ class TokenizedRef(BaseModel):
     num_trained_tokens: int
 
 
+class BlendPart(BaseModel):
+    dataset_id: str
+    weight: float  # normalised: the weights of a blend sum to 1
+    train_sequences: int
+    validation_sequences: int
+
+
 class PackedRef(BaseModel):
-    path: str  # a packed pre-training corpus folder (twinkle_core.data.pretrain)
+    path: str  # a packed pre-training corpus folder (twinkle_core.data.pretrain), or a blend's (data.blend)
     content_hash: str
     train_sequences: int
     validation_sequences: int
     train_tokens: int
+    blend: list[BlendPart] = []  # the corpora of a weighted blend; empty for one corpus
 
 
 class CheckpointRef(BaseModel):

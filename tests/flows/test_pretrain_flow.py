@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -40,6 +41,32 @@ def test_pretrain_flow_trains_exports_evaluates_and_registers(sft_workspace):
     assert "pre-training summary" in result["summary"]
 
 
+def test_pretrain_flow_trains_on_a_blend_of_a_megatron_prefix_and_a_text_corpus(sft_workspace):
+    """A Megatron-LM .bin/.idx corpus (written with megatron-core's builder) blended 3:1 with a .jsonl corpus."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from transformers import AutoTokenizer
+
+    from twinkle_core.data.encode import encode_text
+
+    ws = sft_workspace
+    tokenizer = AutoTokenizer.from_pretrained(ws["model"])
+    prefix = ws["root"] / "web_text_document"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for i in range(40):
+        ids = encode_text(tokenizer, " ".join(WORDS[(3 * i + j) % len(WORDS)] for j in range(8 + i % 7)))["input_ids"]
+        builder.add_document(ids, [len(ids)])
+    builder.finalize(f"{prefix}.idx")
+    text = write_corpus(ws["root"] / "corpus.jsonl")
+    config = PretrainConfig(model_id=str(ws["model"]), dataset=f"0.75 {prefix} 0.25 {text}", seq_length=16,
+                            max_steps=2, global_batch_size=4, micro_batch_size=2, lr=1e-2, mixed_precision="no",
+                            eval_batches=2, experiment_name="pretrain-blend-test")
+    result = pretrain(config)
+    metrics = result["metrics"]
+    assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["eval_trained_loss"])
+    assert np.isfinite(result["report"]["loss"])  # the exported model's validation loss, on the blend's split
+    assert f"0.75 × `{prefix}`" in result["summary"] and f"0.25 × `{text}`" in result["summary"]
+
+
 def test_bad_layouts_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(ValueError, match="tp=2 x pp=1 does not divide the 1 processes"):
         PretrainConfig(model_id=str(tmp_path), tp_size=2)
@@ -47,6 +74,14 @@ def test_bad_layouts_are_refused_before_anything_runs(tmp_path):
         PretrainConfig(model_id=str(tmp_path), global_batch_size=6, micro_batch_size=4)
     with pytest.raises(ValueError, match="fp8"):
         PretrainConfig(model_id=str(tmp_path), mixed_precision="fp8")
+
+
+def test_a_bad_corpus_is_refused_before_anything_runs(tmp_path):
+    (tmp_path / "corpus.bin").write_bytes(b"")  # a Megatron prefix without its .idx
+    with pytest.raises(ValueError, match=r"dataset='0.5 .*corpus 0.5 .*': dataset id '.*corpus': .*corpus\.idx not found"):
+        PretrainConfig(model_id=str(tmp_path), dataset=f"0.5 {tmp_path / 'corpus'} 0.5 {tmp_path / 'corpus.bin'}")
+    with pytest.raises(ValueError, match="a blend is weight, path pairs"):
+        PretrainConfig(model_id=str(tmp_path), dataset="0.5 a.jsonl 0.5")
 
 
 def test_packing_splits_documents_and_samples_resumably(tmp_path):

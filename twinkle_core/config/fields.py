@@ -211,6 +211,7 @@ class ChatDataFields(BaseModel):
 
     max_length: MaxLength = 512
     max_bad_fraction: MaxBadFraction = 0.01
+    num_proc: NumProc = None
     enable_thinking: EnableThinking = True
 
 
@@ -255,6 +256,7 @@ class EmbeddingDataFields(BaseModel):
 
     max_length: MaxLength = 128
     max_bad_fraction: MaxBadFraction = 0.01
+    num_proc: NumProc = None
 
 
 class PreferenceFields(BaseModel):

@@ -51,13 +51,17 @@ def _source_problems(config) -> list[str]:
     """Ids that cannot resolve (bad syntax, a local path that does not exist) and local pickle-only weights:
     caught here, before a Prefect server or any task starts."""
     problems = id_problems("model_id", config.model_id)
-    for field in ("dataset", "eval_dataset"):
-        if getattr(config, field, None):
-            problems += id_problems(field, getattr(config, field))
+    own = getattr(config, "dataset_problems", None)  # a flow whose dataset is more than one id (pretrain's blends)
+    problems += own() if own else _dataset_problems(config)
     if not problems and "://" not in config.model_id and Path(config.model_id).expanduser().is_dir():
         problems += raised_problems(check_weight_files, Path(config.model_id).expanduser(), config.model_id,
                                     getattr(config, "allow_pickle_weights", False))
     return problems
+
+
+def _dataset_problems(config) -> list[str]:
+    return [problem for field in ("dataset", "eval_dataset") if getattr(config, field, None)
+            for problem in id_problems(field, getattr(config, field))]
 
 
 def _split_problems(config, objective) -> list[str]:

@@ -22,7 +22,7 @@ from pydantic import Field
 from twinkle_core.config.fields import (CheckpointEvery, DocumentMasks, EvalBatches, GlobalBatchSize, MaxSteps,
                                         MicroBatchSize, MixedPrecisionMode, ModelId, ModelLoadFields, OptimizerFields,
                                         VirtualPipelineStages)
-from twinkle_core.data.pretrain import PackedSplit
+from twinkle_core.data.pretrain import PackedSplit, open_split
 from twinkle_core.entry import finish_worker, worker_config_path
 from twinkle_core.parallel import ParallelConfig, is_main_process, world_size_from_env
 from twinkle_core.perf import StepPerf
@@ -38,7 +38,7 @@ class PretrainRunConfig(RunConfigFile, OptimizerFields, ModelLoadFields):
 
     model_id: ModelId
     model_path: Path  # an HF directory or a Megatron checkpoint of this project
-    data_dir: Path  # a packed corpus (pack_text_corpus)
+    data_dir: Path  # a packed corpus (pack_text_corpus, split_indexed_corpus) or a blend (write_blend)
     checkpoint_dir: Path
     mixed_precision: MixedPrecisionMode
     parallel: ParallelConfig
@@ -67,8 +67,8 @@ class PretrainRecipe:
 
         cfg = self.config
         torch.manual_seed(cfg.seed)
-        self.train_split = PackedSplit.open(cfg.data_dir, "train")
-        self.validation = PackedSplit.open(cfg.data_dir, "validation")
+        self.train_split = open_split(cfg.data_dir, "train")  # a PackedSplit, or a blend's BlendedSplit
+        self.validation = open_split(cfg.data_dir, "validation")
         self.model = MegatronModel(str(cfg.model_path), mixed_precision=cfg.mixed_precision,
                                    tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size,
                                    ep_size=cfg.parallel.ep_size, sequence_parallel=cfg.parallel.sequence_parallel,

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run run-embedding run-dpo run-grpo test test-fast bench bench-embedding bench-dpo bench-vision clean
+.PHONY: install run run-embedding run-dpo run-grpo test test-fast bench bench-embedding bench-dpo bench-vision bench-data clean
 
 install: $(STAMP)
 
@@ -57,6 +57,10 @@ bench-dpo: install
 
 bench-vision: install
 	$(BIN)/python bench/bench_vision.py
+
+# Tokenisation at scale against HF datasets (generated chat sets and text corpora up to ~1 GB; ~20 minutes).
+bench-data: install
+	$(BIN)/python bench/bench_data.py
 
 clean:
 	rm -rf runs mlflow.db mlartifacts

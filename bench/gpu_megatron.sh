@@ -1,23 +1,22 @@
 #!/usr/bin/env bash
-# Megatron with Transformer Engine on a lent H200: wheels in, TE's torch binding built, bench/gpu_megatron.py run.
+# Megatron with Transformer Engine on a CUDA machine (H100/H200): wheels in, TE's torch binding built, bench/gpu_megatron.py run.
 #
-# The H200 machine (python3 3.12, torch 2.11 + CUDA 13, transformers, no network) lacks megatron-core,
-# Transformer Engine and pydantic. They travel as files, at most 64 MiB per call: the TE core wheel
-# (transformer-engine-cu13 2.11.0, 171 MiB) goes in three parts over three calls made back to back (the
-# machine stays warm 30 s after a call and keeps /tmp meanwhile), and TE's torch binding, which PyPI ships
-# only as source (transformer-engine-torch, 240 kB), is compiled there against its torch (16 cores).
+# A CUDA machine as this was planned for (python3 3.12, torch 2.11 + CUDA 13, transformers, no network) lacks
+# megatron-core, Transformer Engine and pydantic. They come as staged files, at most 64 MiB per step: the TE
+# core wheel (transformer-engine-cu13 2.11.0, 171 MiB) in three parts, and TE's torch binding, which PyPI
+# ships only as source (transformer-engine-torch, 240 kB), compiled on the machine against its torch.
 # TE 2.11 is the newest inside megatron-core 0.16's tested range (>= 2.9, < 2.12).
 #
 # Steps (run from the repository root):
 #   1. here, once:          bash bench/gpu_megatron.sh stage
 #        -> .gpu-stage/1, .gpu-stage/2: TE core parts; .gpu-stage/3: the last part, the small wheels, the TE
-#           torch source, checksums (.gpu-stage/ is listed in .git/info/exclude, so only `carry` takes it)
-#   2. on the device, three calls, each right after the previous one returns:
-#        run(command="bash bench/gpu_megatron.sh receive 1", carry=[".gpu-stage/1"], timeout_s=120)
-#        run(command="bash bench/gpu_megatron.sh receive 2", carry=[".gpu-stage/2"], timeout_s=120)
-#        run(command="bash bench/gpu_megatron.sh run", carry=[".gpu-stage/3"], timeout_s=590)
-#      `run` prints the table and writes table.txt, results.json and setup.log to $OUT. If the machine went
-#      cold between calls, `run` says which parts are missing: repeat from `receive 1`.
+#           torch source, checksums (.gpu-stage/ is listed in .git/info/exclude: copy it to the GPU machine with the tree)
+#   2. on the machine with the GPU, one after the other:
+#        bash bench/gpu_megatron.sh receive 1
+#        bash bench/gpu_megatron.sh receive 2
+#        OUT=gpu-results bash bench/gpu_megatron.sh run
+#      `run` prints the table and writes table.txt, results.json and setup.log to $OUT. If the stage in /tmp
+#      was lost between steps, `run` says which parts are missing: repeat from `receive 1`.
 #   `bash bench/gpu_megatron.sh --help` prints this header.
 set -euo pipefail
 

@@ -63,14 +63,22 @@ def _reply_labels(input_ids: list[int], offsets: list[tuple[int, int]], spans: l
 
 def encode_text(tokenizer, text: str, max_length: int | None = None) -> dict:
     """Pre-training tokens: the tokenizer's own BOS convention, EOS appended, every token trained."""
+    return truncate(encode_texts(tokenizer, [text])[0], max_length)
+
+
+def encode_texts(tokenizer, texts: list[str]) -> list[dict]:
+    """encode_text of each text, in one batched tokenizer call (no padding: each row as alone)."""
     if tokenizer.eos_token_id is None:
         raise ValueError(
             f"tokenizer {tokenizer.name_or_path!r} has no eos_token; set eos_token in tokenizer_config.json"
         )
-    input_ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    if not input_ids or input_ids[-1] != tokenizer.eos_token_id:
-        input_ids.append(tokenizer.eos_token_id)
-    return truncate({"input_ids": input_ids, "labels": list(input_ids)}, max_length)
+    examples = []
+    for input_ids in tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else []:
+        input_ids = list(input_ids)
+        if not input_ids or input_ids[-1] != tokenizer.eos_token_id:
+            input_ids.append(tokenizer.eos_token_id)
+        examples.append({"input_ids": input_ids, "labels": list(input_ids)})
+    return examples
 
 
 def encode_prompt(

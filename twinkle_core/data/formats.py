@@ -18,7 +18,7 @@ from .vision_collate import collate_vision, pack_vision_examples, truncate_visio
 from .vision_encode import encode_vision_prompt, encode_vision_row, load_vision_processor
 from .vision_rows import validate_vision_row
 from .collate import collate
-from .encode import count_trained_tokens, encode_chat, encode_text, truncate
+from .encode import count_trained_tokens, encode_chat, encode_text, encode_texts, truncate
 from .packing import pack_examples
 from .validate import validate_chat_row, validate_text_row
 
@@ -41,6 +41,9 @@ class RowFormat:
     kind: str
     validate: Callable[[Any], dict]
     encode: Callable[..., dict | list[dict]]
+    # (encoder, rows, enable_thinking=..., **options) -> encode() of each row, in one batched tokenizer call; for
+    # kinds whose encoding cannot fail on one row (a failing row must not cost the others). None: row by row.
+    encode_batch: Callable[..., list] | None = None
     needs_chat_template: bool = True  # its rows are rendered with the tokenizer's chat template
     truncate: Callable[[dict, int], dict] = truncate
     was_truncated: Callable[[dict, int], bool] = _longer_than
@@ -92,8 +95,13 @@ def _encode_text_row(tokenizer, row: dict, enable_thinking: bool = True) -> dict
     return encode_text(tokenizer, row["text"])
 
 
+def _encode_text_rows(tokenizer, rows: list[dict], enable_thinking: bool = True) -> list[dict]:
+    return encode_texts(tokenizer, [row["text"] for row in rows])
+
+
 register_row_format(RowFormat("chat", validate_chat_row, _encode_chat_row))
-register_row_format(RowFormat("text", validate_text_row, _encode_text_row, needs_chat_template=False))
+register_row_format(RowFormat("text", validate_text_row, _encode_text_row, encode_batch=_encode_text_rows,
+                              needs_chat_template=False))
 register_row_format(RowFormat(
     "pairs", pairs.validate_pair_row, pairs.encode_pair_row, needs_chat_template=False, truncate=pairs.truncate_pair,
     was_truncated=pairs.was_truncated, count_tokens=pairs.count_pair_tokens, num_sequences=pairs.num_texts,

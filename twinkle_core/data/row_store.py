@@ -42,6 +42,16 @@ def _flat(value):
     return value.tolist() if isinstance(value, np.ndarray) else value
 
 
+def record_batch(rows: list[dict]) -> pa.RecordBatch:
+    """The rows (dicts with the same keys) as one Arrow record batch, typed by column_type."""
+    names = list(rows[0])
+    arrays = []
+    for name in names:
+        values = [_flat(row[name]) for row in rows]
+        arrays.append(pa.array(values, type=column_type(name, values)))
+    return pa.record_batch(arrays, names=names)
+
+
 class RowWriter:
     """Appends rows (dicts of lists) to an Arrow IPC file; the first rows fix the columns and their types."""
 
@@ -50,15 +60,19 @@ class RowWriter:
         self._sink = self._writer = self._schema = None
 
     def write(self, rows: list[dict]) -> None:
-        if not rows:
-            return
+        if rows:
+            self.write_batch(record_batch(rows))
+
+    def write_batch(self, batch: pa.RecordBatch) -> None:
+        """Append a record batch; a later batch whose types differ (a column empty in it) is cast to the first's."""
         if self._writer is None:
-            self._schema = pa.schema([(name, column_type(name, [row[name] for row in rows])) for name in rows[0]])
+            self._schema = batch.schema
             self._sink = pa.OSFile(str(self.path), "wb")
             self._writer = pa.ipc.new_file(self._sink, self._schema)
-        arrays = [pa.array([_flat(row[field.name]) for row in rows], type=field.type) for field in self._schema]
-        self._writer.write_batch(pa.record_batch(arrays, schema=self._schema))
-        self.num_rows += len(rows)
+        if batch.schema != self._schema:
+            batch = batch.cast(self._schema)
+        self._writer.write_batch(batch)
+        self.num_rows += batch.num_rows
 
     def close(self) -> None:
         if self._writer is not None:

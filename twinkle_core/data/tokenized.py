@@ -15,7 +15,7 @@ from .errors import ChatTemplateError, DatasetError, RowError
 from .formats import get_row_format
 from .parallel import check_num_proc, map_chunks
 from .readers import SUFFIXES, parse_record, read_record_chunks, read_records
-from .row_store import ROWS_FILE, RowWriter, TokenizedRows
+from .row_store import ROWS_FILE, RowWriter, TokenizedRows, record_batch
 from .rows import BadRow, check_fraction, report_bad_rows
 from .templates import use_chat_template
 
@@ -92,7 +92,8 @@ def _load_encoder(spec: EncodeSpec) -> tuple:
 
 @dataclass
 class EncodedChunk:
-    """A chunk's examples (truncated) with their (tokens, trained) counts, its bad rows, and its tallies."""
+    """A chunk's examples (truncated) with their (tokens, trained) counts, its bad rows, and its tallies; the
+    examples as an Arrow record batch (`batch`) when they go to the file as they are (no packing)."""
 
     examples: list[dict] = field(default_factory=list)
     counts: list[tuple[int, int]] = field(default_factory=list)
@@ -100,25 +101,47 @@ class EncodedChunk:
     records: int = 0  # every record read, good or bad
     source_rows: int = 0  # rows that gave examples
     truncated: int = 0
+    sequences: int = 0  # texts the model reads in these examples
+    batch: Any = None
 
 
-def encode_chunk(spec: EncodeSpec, chunk: list[tuple[int, Any]]) -> EncodedChunk:
-    """Parse, validate, encode and truncate the (line, record) pairs of one chunk; a bad row is recorded
-    with its line (unreadable, invalid, unrenderable, or left untrained by truncation), never raised."""
-    _, encoder = _load_encoder(spec)
-    row_format, folder, out = get_row_format(spec.kind), Path(spec.dataset_path).parent, EncodedChunk()
-    options = json.loads(spec.encode_options)
+def _checked_rows(spec: EncodeSpec, chunk: list[tuple[int, Any]], out: EncodedChunk) -> list[tuple[int, dict]]:
+    """(line, validated row) of the chunk's good records; the others go to out.bad with their line."""
+    row_format, folder, good = get_row_format(spec.kind), Path(spec.dataset_path).parent, []
     for line, record in chunk:
         out.records += 1
         try:
             record = parse_record(record)
             if isinstance(record, RowError):
                 raise record
-            encoded = row_format.encode(encoder, row_format.check(record, folder),
-                                        enable_thinking=spec.enable_thinking, **options)
+            good.append((line, row_format.check(record, folder)))
+        except RowError as error:
+            out.bad.append(BadRow(spec.dataset_path, line, str(error)))
+    return good
+
+
+def _encoded_rows(spec: EncodeSpec, encoder, rows: list[tuple[int, dict]], out: EncodedChunk):
+    """(line, the row's examples) of every row that encodes: in one batched call where the kind has one."""
+    row_format, options = get_row_format(spec.kind), json.loads(spec.encode_options)
+    if row_format.encode_batch is not None:
+        encoded = row_format.encode_batch(encoder, [row for _, row in rows], enable_thinking=spec.enable_thinking,
+                                          **options)
+        yield from zip((line for line, _ in rows), encoded)
+        return
+    for line, row in rows:
+        try:
+            yield line, row_format.encode(encoder, row, enable_thinking=spec.enable_thinking, **options)
         except (ChatTemplateError, RowError) as error:  # e.g. a Mistral tool call without a 9-character id
             out.bad.append(BadRow(spec.dataset_path, line, str(error)))
-            continue
+
+
+def encode_chunk(spec: EncodeSpec, chunk: list[tuple[int, Any]], to_arrow: bool = False) -> EncodedChunk:
+    """Parse, validate, encode and truncate the (line, record) pairs of one chunk; a bad row is recorded
+    with its line (unreadable, invalid, unrenderable, or left untrained by truncation), never raised.
+    `to_arrow`: hand the examples back as one Arrow record batch, which crosses processes as flat buffers."""
+    _, encoder = _load_encoder(spec)
+    row_format, out = get_row_format(spec.kind), EncodedChunk()
+    for line, encoded in _encoded_rows(spec, encoder, _checked_rows(spec, chunk, out), out):
         encoded = encoded if isinstance(encoded, list) else [encoded]  # a row may give several examples
         out.truncated += any(row_format.was_truncated(example, spec.max_length) for example in encoded)
         encoded = [row_format.truncate(example, spec.max_length) for example in encoded]
@@ -129,7 +152,11 @@ def encode_chunk(spec: EncodeSpec, chunk: list[tuple[int, Any]]) -> EncodedChunk
             continue
         out.examples.extend(encoded)
         out.counts.extend(counts)
+        out.sequences += sum(row_format.num_sequences(example) for example in encoded)
         out.source_rows += 1
+    out.bad.sort(key=lambda bad: bad.line)  # validation and encoding failures, in file order
+    if to_arrow and out.examples:
+        out.batch, out.examples = record_batch(out.examples), []
     return out
 
 
@@ -189,16 +216,22 @@ def _encode_to(rows_file: Path, spec: EncodeSpec, packing: bool, num_proc: int, 
 
     chunks = read_record_chunks(Path(spec.dataset_path), chunk_rows)
     try:
-        for chunk in map_chunks(partial(encode_chunk, spec), chunks, num_proc):
+        for chunk in map_chunks(partial(encode_chunk, spec, to_arrow=packer is None), chunks, num_proc):
             tally.records += chunk.records
             tally.source_rows += chunk.source_rows
             tally.truncated += chunk.truncated
-            tally.examples += len(chunk.examples)
             tally.bad_count += len(chunk.bad)
             tally.bad.extend(chunk.bad[:MAX_BAD_STORED - len(tally.bad)])
             if packer is None:
-                store(chunk.examples, chunk.counts)
+                if chunk.batch is not None:
+                    writer.write_batch(chunk.batch)
+                    tally.examples += chunk.batch.num_rows
+                    tally.rows += chunk.batch.num_rows
+                tally.tokens += sum(tokens for tokens, _ in chunk.counts)
+                tally.trained += sum(trained for _, trained in chunk.counts)
+                tally.sequences += chunk.sequences
             else:
+                tally.examples += len(chunk.examples)
                 packed = packer.add(chunk.examples)
                 store(packed, [row_format.count_tokens(row) for row in packed])
         if packer is not None:

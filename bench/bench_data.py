@@ -162,7 +162,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-id", default=DEFAULT_MODEL, help="whose fast tokenizer both sides use")
     parser.add_argument("--chat-rows", default="25000,100000", help="comma-separated sizes of the chat set")
-    parser.add_argument("--text-docs", default="250000,1000000", help="comma-separated sizes of the text corpus")
+    parser.add_argument("--text-docs", default="300000,1250000", help="comma-separated sizes of the text corpus")
     parser.add_argument("--num-proc", type=int, default=None, help="processes for both sides (default: cores)")
     parser.add_argument("--one", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)

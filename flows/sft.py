@@ -31,7 +31,8 @@ from tasks.train import train
 from twinkle_core.config.fields import (AdapterFields, BackendFields, CheckpointFields, DataParallelFields, DatasetId,
                                         DataSourceFields, EvalDatasetId, EvalFields, ExperimentName, LoopFields,
                                         MachinesFields, ModelParallelFields, OptimizerFields, PackedChatDataFields,
-                                        ProcessFields, RegisteredModelName, RouterAuxLossCoef, RunFields, VisionFields)
+                                        ProcessFields, RegisteredModelName, RouterAuxLossCoef, RunFields, Streaming,
+                                        VisionFields)
 from twinkle_core.data import get_row_format
 from twinkle_core.families import family_before_download
 from twinkle_core.objectives import get_objective
@@ -51,6 +52,7 @@ class SFTConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, 
 
     dataset: DatasetId = DEFAULT_DATASET
     eval_dataset: EvalDatasetId = DEFAULT_EVAL_DATASET
+    streaming: Streaming = False
     router_aux_loss_coef: RouterAuxLossCoef = None
     registered_model_name: RegisteredModelName = None
     experiment_name: ExperimentName = "twinkle-sft"
@@ -89,7 +91,8 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
     run_dir = run_folder(config.output_dir, config)  # a retry of this flow run gets the same folder and resumes
     model = download_model(config.model_id, **config.model_options())
     config.check_model(model)  # model-dependent rules (tp_size vs the heads, ...) before anything else runs
-    train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)
+    train_file = download_dataset(config.dataset, config.streaming)  # the held-out set is small: a file
+    eval_file = download_dataset(config.eval_dataset)
     objective = get_objective(config.objective)
     kind, media = objective.row_kind, objective.encode_options(config.objective_options()) or None
     train_data = tokenize(train_file, model, config.max_length, config.packing, config.max_bad_fraction,

@@ -13,6 +13,7 @@ from twinkle_core.data.pretrain import check_indexed_prefix, indexed_corpus_hash
 from twinkle_core.families import UnsupportedModelError, family_for_model_dir
 from twinkle_core.hashing import hash_json
 from twinkle_core.hub import HubError, HubUnreachable, check_weight_files, resolve_dataset, resolve_model
+from twinkle_core.hub.streaming import open_stream
 from twinkle_core.paths import cache_root
 
 
@@ -99,8 +100,12 @@ def download_model(model_id: str, chat_template: str | None = None, trust_remote
 
 @task(cache_policy=ID_CACHE, persist_result=True, result_serializer="json", retries=2,
       retry_delay_seconds=5, retry_condition_fn=_is_transient)
-def download_dataset(dataset_id: str) -> DatasetRef:
-    """Resolve a dataset id (ms://, hf://, pkg://, local .jsonl/.json/.parquet) to one local file."""
+def download_dataset(dataset_id: str, streaming: bool = False) -> DatasetRef:
+    """Resolve a dataset id (ms://, hf://, pkg://, local .jsonl/.json/.parquet) to one local file; with
+    `streaming`, to a stream the tokenize task reads row by row (a hub split is not copied first)."""
+    if streaming:
+        stream = open_stream(dataset_id)
+        return DatasetRef(dataset_id=dataset_id, path=stream.source, content_hash=stream.content_hash, streaming=True)
     resolved = resolve_dataset(dataset_id)
     return DatasetRef(dataset_id=dataset_id, path=str(resolved.path), content_hash=resolved.content_hash)
 

@@ -17,8 +17,9 @@ class ModelRef(ModelLoadFields):
 
 class DatasetRef(BaseModel):
     dataset_id: str
-    path: str
+    path: str  # one local file; for a stream, what datasets.load_dataset(streaming=True) reads
     content_hash: str
+    streaming: bool = False  # read row by row by the tokenize task (twinkle_core.hub.open_stream)
 
 
 class TokenizedRef(BaseModel):

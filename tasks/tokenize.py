@@ -7,6 +7,7 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 from tasks.refs import DatasetRef, ModelRef, TokenizedRef
 from twinkle_core.data import tokenize_dataset
 from twinkle_core.families import get_family
+from twinkle_core.hub.streaming import open_stream
 
 
 # num_proc is not in the key: the encoding does not depend on how many processes ran it.
@@ -17,7 +18,8 @@ def tokenize(dataset: DatasetRef, model: ModelRef, max_length: int, packing: boo
     """Tokenise `dataset` for `model` in `num_proc` worker processes (None: the cores); inputs carry content
     hashes, so an edited file re-runs this. `encode_options` go to the row kind's encoder (embedding pairs: the
     query prompt, EOS or not)."""
-    result = tokenize_dataset(dataset.path, model.path, kind=kind, max_length=max_length, packing=packing,
+    source = open_stream(dataset.dataset_id) if dataset.streaming else dataset.path
+    result = tokenize_dataset(source, model.path, kind=kind, max_length=max_length, packing=packing,
                               max_bad_fraction=max_bad_fraction, enable_thinking=enable_thinking,
                               chat_template=get_family(model.family).chat_template,
                               chosen_template=model.template_source, trust_remote_code=model.trust_remote_code,

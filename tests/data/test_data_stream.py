@@ -128,3 +128,23 @@ def test_each_rank_reads_only_its_own_rows():
         seen[rank] = [[row["input_ids"][0] for row in next(batches)] for _ in range(3)]  # an epoch: 4 + 4 + 2
         assert counting.read == {i for batch in seen[rank] for i in batch}
     assert sorted(i for rank in seen for batch in seen[rank] for i in batch) == list(range(10))
+
+
+def test_a_streamed_file_encodes_as_the_file_does(tmp_path, model_dirs, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from twinkle_core.hub import HubError
+    from twinkle_core.hub.streaming import open_stream
+
+    rows = [json.loads(line) for line in (BUNDLED / "self_cognition" / "train.jsonl").read_text().splitlines()]
+    path = tmp_path / "chats.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    stream = open_stream(str(path))
+    streamed = tokenize_dataset(stream, model_dirs["text"], max_length=512, num_proc=2, chunk_rows=50)
+    monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path / "another-cache"))  # encode again, not a cache hit
+    from_file = tokenize_dataset(path, model_dirs["text"], max_length=512)
+    assert from_file.path != streamed.path and streamed.content_hash == from_file.content_hash  # the same rows, the same cache entry
+    assert list(load_tokenized(streamed)) == list(load_tokenized(from_file))
+    assert _digest(load_tokenized(streamed)) == BEFORE["self_cognition/train/chat/False/512"][0]
+    with pytest.raises(HubError, match="streaming reads a hub split or one local"):
+        open_stream(str(tmp_path))

@@ -82,3 +82,16 @@ def test_hf_model_online_but_unreachable_uses_cache(isolated_caches, tiny_model_
     with pytest.raises(HubError, match="the hub could not be reached"):
         resolve_model("hf://twinkle-org/absent")
 
+
+
+def test_hf_dataset_streams_offline_from_cache_without_a_copy(isolated_caches, dataset_repo, chat_rows):
+    from twinkle_core.hub.streaming import open_stream
+
+    populate_hf_cache(isolated_caches["hf_hub"], "twinkle-org/tiny-chat", dataset_repo, "dataset", COMMIT)
+    stream = open_stream("hf://twinkle-org/tiny-chat")
+    rows = list(stream.records())
+    assert [number for number, _ in rows] == [1, 2, 3, 4]
+    assert [m["content"] for m in rows[0][1]["messages"]] == [m["content"] for m in chat_rows[0]["messages"]]
+    assert open_stream(f"hf://twinkle-org/tiny-chat@{COMMIT}").content_hash == stream.content_hash
+    assert len(list(open_stream("hf://twinkle-org/tiny-chat:test").records())) == 2
+    assert not (isolated_caches["twinkle"] / "datasets").exists()  # nothing materialised

@@ -42,6 +42,7 @@ BackendName = Annotated[Backend, Field(description="Training backend: transforme
 
 # ----- data ----------------------------------------------------------------------------------------------
 MaxLength = Annotated[int, Field(ge=16, description="Tokens per sample; longer samples are truncated.")]
+Streaming = Annotated[bool, Field(description="Read --dataset as a stream (hub splits, or a local file) and encode it as it is read: nothing is copied to the local disk but the tokenised rows.")]
 Packing = Annotated[bool, Field(description="Pack several samples into one sequence (attention kept per sample).")]
 NumProc = Annotated[int | None, Field(ge=1, description="Worker processes that tokenise the data set; empty: the machine's cores (at most 8). The result does not depend on it.")]
 MaxBadFraction = Annotated[float, Field(ge=0, le=1, description="Fail when more than this fraction of rows is malformed.")]

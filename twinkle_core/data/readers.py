@@ -1,9 +1,10 @@
 """Read the records of a data file (.jsonl, .json, .parquet) with their 1-based line or row numbers."""
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import pyarrow.parquet as pq
 
@@ -58,13 +59,13 @@ def read_record_chunks(path: Path, rows: int) -> Iterator[list[tuple[int, Any]]]
     """read_records in lists of at most `rows` records, for worker processes: .jsonl lines stay raw bytes, so
     the workers parse them (parse_record) and the reader only splits lines."""
     records = _jsonl_lines(path) if path.is_file() and path.suffix.lower() == ".jsonl" else read_records(path)
-    chunk: list[tuple[int, Any]] = []
-    for item in records:
-        chunk.append(item)
-        if len(chunk) == rows:
-            yield chunk
-            chunk = []
-    if chunk:
+    return chunked(records, rows)
+
+
+def chunked(items: Iterable, size: int) -> Iterator[list]:
+    """Lists of `size` consecutive items (the last may be shorter), read lazily."""
+    items = iter(items)
+    while chunk := list(itertools.islice(items, size)):
         yield chunk
 
 

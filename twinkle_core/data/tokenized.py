@@ -14,7 +14,7 @@ from ..paths import cache_dir
 from .errors import ChatTemplateError, DatasetError, RowError
 from .formats import get_row_format
 from .parallel import check_num_proc, map_chunks
-from .readers import SUFFIXES, parse_record, read_record_chunks, read_records
+from .readers import SUFFIXES, chunked, parse_record, read_record_chunks, read_records
 from .row_store import ROWS_FILE, RowWriter, TokenizedRows, record_batch
 from .rows import BadRow, check_fraction, report_bad_rows
 from .templates import use_chat_template
@@ -48,10 +48,10 @@ class TokenizedDataset:
     bad: tuple[BadRow, ...]
 
 
-def _cache_key(dataset_path: Path, tokenizer_path: Path, tokenizer, settings: dict) -> str:
+def _cache_key(data_hash: str, tokenizer_path: Path, tokenizer, settings: dict) -> str:
     files = {name: hash_file(tokenizer_path / name) for name in TOKENIZER_FILES if (tokenizer_path / name).is_file()}
     return hash_json({
-        "dataset": hash_file(dataset_path),
+        "dataset": data_hash,
         "tokenizer_files": files,
         "chat_template": tokenizer.chat_template,
         "format_version": FORMAT_VERSION,
@@ -201,7 +201,7 @@ class _Tally:
     bad: list[BadRow] = field(default_factory=list)
 
 
-def _encode_to(rows_file: Path, spec: EncodeSpec, packing: bool, num_proc: int, chunk_rows: int) -> _Tally:
+def _encode_to(rows_file: Path, spec: EncodeSpec, packing: bool, num_proc: int, chunks) -> _Tally:
     """Stream the data file through `num_proc` encoding workers into `rows_file`, a chunk at a time."""
     row_format, tally = get_row_format(spec.kind), _Tally()
     packer = StreamPacker(row_format, spec.max_length) if packing else None
@@ -214,7 +214,6 @@ def _encode_to(rows_file: Path, spec: EncodeSpec, packing: bool, num_proc: int, 
         tally.trained += sum(trained for _, trained in counts)
         tally.sequences += sum(row_format.num_sequences(row) for row in rows)
 
-    chunks = read_record_chunks(Path(spec.dataset_path), chunk_rows)
     try:
         for chunk in map_chunks(partial(encode_chunk, spec, to_arrow=packer is None), chunks, num_proc):
             tally.records += chunk.records
@@ -243,7 +242,7 @@ def _encode_to(rows_file: Path, spec: EncodeSpec, packing: bool, num_proc: int, 
 
 
 def tokenize_dataset(
-    dataset_path: str | Path,
+    dataset_path: str | Path | Any,
     tokenizer_path: str | Path,
     *,
     kind: str = "chat",
@@ -267,6 +266,10 @@ def tokenize_dataset(
     (see chat_template_names()) for a tokenizer that ships none; a tokenizer's own template is kept, unless
     `chosen_template` (Jinja source the user chose) replaces it. Chat rows need one of the three.
     `encode_options` go to the row kind's encoder (e.g. the query prompt of embedding pairs) and into the key.
+
+    `dataset_path` may also be a stream (twinkle_core.hub.open_stream): an object with `dataset_id`,
+    `content_hash` (its rows' key) and `records()` yielding (row number, row); its rows are encoded as they are
+    read, and nothing else is written.
     """
     row_format = get_row_format(kind)
     encode_options = dict(encode_options or {})
@@ -278,33 +281,42 @@ def tokenize_dataset(
         raise ValueError(f"max_length={max_length} must be a positive number of tokens")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows={chunk_rows} must be at least 1")
-    dataset_path, tokenizer_path = Path(dataset_path), Path(tokenizer_path)
-    if not dataset_path.is_file():
-        raise DatasetError(f"dataset_path={str(dataset_path)!r} does not exist or is not a file")
+    tokenizer_path = Path(tokenizer_path)
+    stream = None if isinstance(dataset_path, (str, Path)) else dataset_path
+    if stream is None:
+        dataset_path = Path(dataset_path)
+        if not dataset_path.is_file():
+            raise DatasetError(f"dataset_path={str(dataset_path)!r} does not exist or is not a file")
+        if dataset_path.suffix.lower() not in SUFFIXES:
+            read_records(dataset_path)  # raises the unsupported-suffix error before the tokenizer loads
     if not tokenizer_path.is_dir():
         raise ValueError(
             f"tokenizer_path={str(tokenizer_path)!r} is not a directory; pass a local model or tokenizer folder"
         )
-    if dataset_path.suffix.lower() not in SUFFIXES:
-        read_records(dataset_path)  # raises the unsupported-suffix error before the tokenizer loads
-    spec = EncodeSpec(str(dataset_path), str(tokenizer_path), kind, max_length, enable_thinking,
+    source = str(dataset_path) if stream is None else stream.dataset_id
+    spec = EncodeSpec(source, str(tokenizer_path), kind, max_length, enable_thinking,
                       json.dumps(encode_options, sort_keys=True), trust_remote_code, chat_template, chosen_template)
+    if stream is None:
+        data_hash, chunks = (lambda: hash_file(dataset_path)), (lambda: read_record_chunks(dataset_path, chunk_rows))
+    else:
+        data_hash, chunks = (lambda: stream.content_hash), (lambda: chunked(stream.records(), chunk_rows))
     try:
-        return _tokenize(spec, packing, max_bad_fraction, num_proc, chunk_rows)
+        return _tokenize(spec, packing, max_bad_fraction, num_proc, data_hash, chunks)
     finally:
         _ENCODERS.pop(spec, None)  # the workers are done with it; a flow process may tokenise many sets
 
 
-def _tokenize(spec: EncodeSpec, packing: bool, max_bad_fraction: float, num_proc: int,
-              chunk_rows: int) -> TokenizedDataset:
+def _tokenize(spec: EncodeSpec, packing: bool, max_bad_fraction: float, num_proc: int, data_hash,
+              chunks) -> TokenizedDataset:
+    """tokenize_dataset once its arguments are checked: `data_hash()` keys the rows, `chunks()` reads them."""
     tokenizer, _ = _load_encoder(spec)
-    dataset_path, tokenizer_path = Path(spec.dataset_path), Path(spec.tokenizer_path)
+    dataset_path, tokenizer_path = spec.dataset_path, Path(spec.tokenizer_path)
     kind, max_length, enable_thinking = spec.kind, spec.max_length, spec.enable_thinking
     encode_options = json.loads(spec.encode_options)
     settings = {"kind": kind, "max_length": max_length, "packing": packing, "enable_thinking": enable_thinking}
     if encode_options:
         settings["encode_options"] = encode_options
-    key = _cache_key(dataset_path, tokenizer_path, tokenizer, settings)
+    key = _cache_key(data_hash(), tokenizer_path, tokenizer, settings)
     final = cache_dir("tokenized") / key[:16]
     if (final / "meta.json").is_file():
         logger.info("reusing tokenised data %s for %s", final, dataset_path)
@@ -314,7 +326,7 @@ def _tokenize(spec: EncodeSpec, packing: bool, max_bad_fraction: float, num_proc
         report_bad_rows(list(dataset.bad), total, max_bad_fraction, str(dataset_path), num_bad=dataset.num_bad)
         return dataset
     with atomic_dir(final) as tmp:
-        tally = _encode_to(tmp / ROWS_FILE, spec, packing, num_proc, chunk_rows)
+        tally = _encode_to(tmp / ROWS_FILE, spec, packing, num_proc, chunks())
         report_bad_rows(tally.bad, tally.records, max_bad_fraction, str(dataset_path), num_bad=tally.bad_count)
         if tally.truncated:
             logger.info("%s: truncated %d of %d rows to max_length=%d",

@@ -30,9 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
-import os
-import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -41,12 +38,12 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from twinkle_core.atomic import atomic_dir
 from twinkle_core.data.encode import encode_text
-from twinkle_core.data.errors import RowError
 from twinkle_core.data.formats import get_row_format
 from twinkle_core.data.parallel import check_num_proc, map_chunks
-from twinkle_core.data.readers import parse_record, read_record_chunks
-from twinkle_core.data.rows import LOGGED_BAD_ROWS, BadRow, check_fraction, report_bad_rows
+from twinkle_core.data.readers import read_record_chunks
+from twinkle_core.data.rows import LOGGED_BAD_ROWS, BadRow, check_fraction, check_records, report_bad_rows
 
 SPLITS = ("train", "validation")
 CHUNK_ROWS = 1000  # rows per worker task: large enough to amortise the hand-over, small enough to stream
@@ -148,7 +145,7 @@ def split_indexed_corpus(prefix: str | Path, seq_length: int, output_dir: str | 
     lengths = dataset.sequence_lengths.astype(np.int64)
     meta = {"seq_length": seq_length, "source": str(prefix), "prefix": str(Path(prefix).resolve()),
             "documents": {}, "tokens": {}, "sequences": {}}
-    with _partial_dir(output_dir) as partial_dir:
+    with atomic_dir(output_dir) as partial_dir:
         for split, picked in zip(SPLITS, (~held, held)):
             np.save(partial_dir / f"{split}.docs.npy", np.flatnonzero(picked).astype(np.int64))
             _count(meta, split, int(picked.sum()), int(lengths[picked].sum()), seq_length, prefix)
@@ -161,20 +158,11 @@ def split_indexed_corpus(prefix: str | Path, seq_length: int, output_dir: str | 
 _TOKENIZER: Any = None  # the tokenizer forked workers inherit (set while pack_text_corpus runs)
 
 
-def _encode_chunk(tokenizer, folder: Path, chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-    """(line, int32 token ids) for every good row of the chunk, (line, reason) for a bad one."""
-    tokenizer = tokenizer or _TOKENIZER
-    text_format, out = get_row_format("text"), []
-    for line, record in chunk:
-        try:
-            record = parse_record(record)
-            if isinstance(record, RowError):
-                raise record
-            ids = encode_text(tokenizer, text_format.check(record, folder)["text"])["input_ids"]
-            out.append((line, np.asarray(ids, dtype=np.int32)))
-        except RowError as error:
-            out.append((line, str(error)))
-    return out
+def _encode_chunk(tokenizer, source: str, chunk: list[tuple[int, Any]]) -> tuple[list[np.ndarray], list[BadRow]]:
+    """The int32 token ids of every good row of the chunk, in order, and its bad rows."""
+    tokenizer, bad = tokenizer or _TOKENIZER, []
+    rows = check_records(chunk, get_row_format("text"), source, Path(source).parent, bad)
+    return [np.asarray(encode_text(tokenizer, row["text"])["input_ids"], dtype=np.int32) for _, row in rows], bad
 
 
 @dataclass
@@ -239,20 +227,18 @@ def pack_text_corpus(path: str | Path, tokenizer, seq_length: int, output_dir: s
     dtype = _indexed().DType.optimal_dtype(len(tokenizer))  # uint16 below 65500 ids, as preprocess_data.py
     # forked workers inherit the tokenizer from the module; spawned ones get it with each chunk
     forked = "fork" in multiprocessing.get_all_start_methods()
-    encode = partial(_encode_chunk, None if forked else tokenizer, path.parent)
+    encode = partial(_encode_chunk, None if forked else tokenizer, str(path))
     bad, num_bad = [], 0
-    with _partial_dir(output_dir) as partial_dir:
+    with atomic_dir(output_dir) as partial_dir:
         builders = {s: _indexed().IndexedDatasetBuilder(str(partial_dir / f"{s}.bin"), dtype=dtype) for s in SPLITS}
         writer = _SplitWriter(builders, seed, validation_fraction)
         _TOKENIZER = tokenizer
         try:
-            for results in map_chunks(encode, read_record_chunks(path, chunk_rows), num_proc):
-                for line, result in results:
-                    if isinstance(result, str):
-                        num_bad += 1
-                        bad.extend([BadRow(str(path), line, result)][:LOGGED_BAD_ROWS - len(bad)])
-                    else:
-                        writer.add(result)
+            for documents, chunk_bad in map_chunks(encode, read_record_chunks(path, chunk_rows), num_proc):
+                num_bad += len(chunk_bad)
+                bad.extend(chunk_bad[:LOGGED_BAD_ROWS - len(bad)])
+                for ids in documents:
+                    writer.add(ids)
         finally:
             _TOKENIZER = None
         report_bad_rows(bad, writer.good + num_bad, max_bad_fraction, str(path), num_bad)
@@ -273,23 +259,6 @@ def _count(meta: dict, split: str, documents: int, tokens: int, seq_length: int,
     if meta["sequences"][split] == 0:
         raise ValueError(f"{source}: the {split} split has {tokens} tokens, fewer than one sequence of "
                          f"seq_length={seq_length}; use a shorter seq_length or a larger corpus.")
-
-
-@contextmanager
-def _partial_dir(output_dir: str | Path):
-    """A fresh `<output_dir>.partial-<pid>` folder, renamed to `output_dir` once the block completes (a
-    reader never sees a half-written corpus)."""
-    output_dir = Path(output_dir)
-    partial_dir = output_dir.with_name(output_dir.name + f".partial-{os.getpid()}")
-    shutil.rmtree(partial_dir, ignore_errors=True)
-    partial_dir.mkdir(parents=True)
-    try:
-        yield partial_dir
-    except BaseException:
-        shutil.rmtree(partial_dir, ignore_errors=True)
-        raise
-    shutil.rmtree(output_dir, ignore_errors=True)
-    partial_dir.rename(output_dir)
 
 
 # ----- reading a split ---------------------------------------------------------------------------------

@@ -4,10 +4,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterable, Iterator
 
 from .errors import DatasetError, RowError
 from .formats import get_row_format
-from .readers import read_records
+from .readers import parse_record, read_records
 
 logger = logging.getLogger(__name__)
 
@@ -44,16 +45,25 @@ def load_rows(path: str | Path, kind: str = "chat", max_bad_fraction: float = 0.
     row_format = get_row_format(kind)
     path = Path(path)
     loaded = LoadedRows()
-    for number, record in read_records(path):
-        try:
-            if isinstance(record, RowError):
-                raise record
-            loaded.rows.append(row_format.check(record, path.parent))
-            loaded.lines.append(number)
-        except RowError as error:
-            loaded.bad.append(BadRow(str(path), number, str(error)))
+    for number, row in check_records(read_records(path), row_format, str(path), path.parent, loaded.bad):
+        loaded.rows.append(row)
+        loaded.lines.append(number)
     report_bad_rows(loaded.bad, len(loaded.rows) + len(loaded.bad), max_bad_fraction, str(path))
     return loaded
+
+
+def check_records(records: Iterable[tuple[int, Any]], row_format, source: str, folder: Path | None,
+                  bad: list[BadRow]) -> Iterator[tuple[int, dict]]:
+    """(number, validated row) of every good record; each bad one (a RowError as read, raw .jsonl bytes that do
+    not parse, or a row the kind refuses) goes to `bad` with its number."""
+    for number, record in records:
+        try:
+            record = parse_record(record)
+            if isinstance(record, RowError):
+                raise record
+            yield number, row_format.check(record, folder)
+        except RowError as error:
+            bad.append(BadRow(source, number, str(error)))
 
 
 def check_fraction(max_bad_fraction: float) -> None:

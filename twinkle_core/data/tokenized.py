@@ -14,9 +14,9 @@ from ..paths import cache_dir
 from .errors import ChatTemplateError, DatasetError, RowError
 from .formats import get_row_format
 from .parallel import check_num_proc, map_chunks
-from .readers import SUFFIXES, chunked, parse_record, read_record_chunks, read_records
+from .readers import SUFFIXES, chunked, read_record_chunks, read_records
 from .row_store import ROWS_FILE, RowWriter, TokenizedRows, record_batch
-from .rows import BadRow, check_fraction, report_bad_rows
+from .rows import BadRow, check_fraction, check_records, report_bad_rows
 from .templates import use_chat_template
 
 logger = logging.getLogger(__name__)
@@ -105,21 +105,6 @@ class EncodedChunk:
     batch: Any = None
 
 
-def _checked_rows(spec: EncodeSpec, chunk: list[tuple[int, Any]], out: EncodedChunk) -> list[tuple[int, dict]]:
-    """(line, validated row) of the chunk's good records; the others go to out.bad with their line."""
-    row_format, folder, good = get_row_format(spec.kind), Path(spec.dataset_path).parent, []
-    for line, record in chunk:
-        out.records += 1
-        try:
-            record = parse_record(record)
-            if isinstance(record, RowError):
-                raise record
-            good.append((line, row_format.check(record, folder)))
-        except RowError as error:
-            out.bad.append(BadRow(spec.dataset_path, line, str(error)))
-    return good
-
-
 def _encoded_rows(spec: EncodeSpec, encoder, rows: list[tuple[int, dict]], out: EncodedChunk):
     """(line, the row's examples) of every row that encodes: in one batched call where the kind has one."""
     row_format, options = get_row_format(spec.kind), json.loads(spec.encode_options)
@@ -140,8 +125,9 @@ def encode_chunk(spec: EncodeSpec, chunk: list[tuple[int, Any]], to_arrow: bool 
     with its line (unreadable, invalid, unrenderable, or left untrained by truncation), never raised.
     `to_arrow`: hand the examples back as one Arrow record batch, which crosses processes as flat buffers."""
     _, encoder = _load_encoder(spec)
-    row_format, out = get_row_format(spec.kind), EncodedChunk()
-    for line, encoded in _encoded_rows(spec, encoder, _checked_rows(spec, chunk, out), out):
+    row_format, out = get_row_format(spec.kind), EncodedChunk(records=len(chunk))
+    rows = list(check_records(chunk, row_format, spec.dataset_path, Path(spec.dataset_path).parent, out.bad))
+    for line, encoded in _encoded_rows(spec, encoder, rows, out):
         encoded = encoded if isinstance(encoded, list) else [encoded]  # a row may give several examples
         out.truncated += any(row_format.was_truncated(example, spec.max_length) for example in encoded)
         encoded = [row_format.truncate(example, spec.max_length) for example in encoded]
@@ -207,35 +193,33 @@ def _encode_to(rows_file: Path, spec: EncodeSpec, packing: bool, num_proc: int, 
     packer = StreamPacker(row_format, spec.max_length) if packing else None
     writer = RowWriter(rows_file)
 
-    def store(rows: list[dict], counts: list[tuple[int, int]]) -> None:
-        writer.write(rows)
-        tally.rows += len(rows)
+    def store(batch, counts: list[tuple[int, int]], sequences: int) -> None:
+        if batch is not None:
+            writer.write_batch(batch)
+            tally.rows += batch.num_rows
         tally.tokens += sum(tokens for tokens, _ in counts)
         tally.trained += sum(trained for _, trained in counts)
-        tally.sequences += sum(row_format.num_sequences(row) for row in rows)
+        tally.sequences += sequences
+
+    def store_packed(packed: list[dict]) -> None:
+        if packed:
+            store(record_batch(packed), [row_format.count_tokens(row) for row in packed],
+                  sum(row_format.num_sequences(row) for row in packed))
 
     try:
         for chunk in map_chunks(partial(encode_chunk, spec, to_arrow=packer is None), chunks, num_proc):
             tally.records += chunk.records
             tally.source_rows += chunk.source_rows
             tally.truncated += chunk.truncated
+            tally.examples += len(chunk.counts)
             tally.bad_count += len(chunk.bad)
             tally.bad.extend(chunk.bad[:MAX_BAD_STORED - len(tally.bad)])
             if packer is None:
-                if chunk.batch is not None:
-                    writer.write_batch(chunk.batch)
-                    tally.examples += chunk.batch.num_rows
-                    tally.rows += chunk.batch.num_rows
-                tally.tokens += sum(tokens for tokens, _ in chunk.counts)
-                tally.trained += sum(trained for _, trained in chunk.counts)
-                tally.sequences += chunk.sequences
+                store(chunk.batch, chunk.counts, chunk.sequences)
             else:
-                tally.examples += len(chunk.examples)
-                packed = packer.add(chunk.examples)
-                store(packed, [row_format.count_tokens(row) for row in packed])
+                store_packed(packer.add(chunk.examples))
         if packer is not None:
-            packed = packer.finish()
-            store(packed, [row_format.count_tokens(row) for row in packed])
+            store_packed(packer.finish())
     finally:
         writer.close()
     return tally

@@ -28,11 +28,11 @@ from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
 from tasks.train import train
-from twinkle_core.config.fields import (AdapterFields, BackendFields, CheckpointFields, DataParallelFields, DatasetId,
-                                        DataSourceFields, EvalDatasetId, EvalFields, ExperimentName, LoopFields,
-                                        MachinesFields, ModelParallelFields, OptimizerFields, PackedChatDataFields,
-                                        ProcessFields, RegisteredModelName, RouterAuxLossCoef, RunFields, Streaming,
-                                        VisionFields)
+from twinkle_core.config.fields import (AdapterFields, BackendFields, BatchingFields, CheckpointFields,
+                                        DataParallelFields, DatasetId, DataSourceFields, EvalDatasetId, EvalFields,
+                                        ExperimentName, LoopFields, MachinesFields, ModelParallelFields,
+                                        OptimizerFields, PackedChatDataFields, ProcessFields, RegisteredModelName,
+                                        RouterAuxLossCoef, RunFields, Streaming, VisionFields)
 from twinkle_core.data import get_row_format
 from twinkle_core.families import family_before_download
 from twinkle_core.objectives import get_objective
@@ -44,8 +44,8 @@ DEFAULT_EVAL_DATASET = "pkg://twinkle_core/datasets/self_cognition/heldout.jsonl
 
 
 class SFTConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
-                OptimizerFields, LoopFields, CheckpointFields, AdapterFields, VisionFields, PackedChatDataFields, BackendFields,
-                DataSourceFields, TrainingFlowConfig):
+                OptimizerFields, BatchingFields, LoopFields, CheckpointFields, AdapterFields, VisionFields,
+                PackedChatDataFields, BackendFields, DataSourceFields, TrainingFlowConfig):
     """Parameters of the sft flow (the Prefect UI form and the CLI options; groups listed last-first)."""
 
     kind: ClassVar[str] = "sft"

@@ -75,7 +75,8 @@ VISION_ROWS = [("What colour is it?", "It is red.", [("red", 56)]),
 
 # name: (processes, model, settings). lr 1e-3: see test_parallel_equivalence's docstring.
 RUNS: dict[str, tuple[int, str, dict]] = {
-    "single": (1, "llama", {}),
+    "single": (1, "llama", {}),  # padding-free batches (the default)
+    "single_padded": (1, "llama", dict(padding_free=False)),  # padded, as sequence parallelism trains
     "ddp": (2, "llama", dict(parallel=dict(dp_size=2))),
     "native_fsdp": (2, "llama", dict(parallel=dict(strategy="native_fsdp"))),
     "accelerate_fsdp": (2, "llama", dict(parallel=dict(strategy="accelerate"))),

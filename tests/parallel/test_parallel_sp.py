@@ -66,8 +66,9 @@ def test_packed_sequences_under_sp_match_one_process(workspace):
 
 
 def test_each_sp_rank_attends_from_half_of_every_sequence(workspace):
-    """The first attention layer's input on each rank is half of the length one process sees (rounded up)."""
-    single = workspace.run("single").result["attention_lengths"][0]
+    """The first attention layer's input on each rank is half of the length one process sees (rounded up), in
+    padded batches (sp pads; a padding-free single process would lay each micro-batch's rows end to end)."""
+    single = workspace.run("single_padded").result["attention_lengths"][0]
     per_rank = workspace.run("sp").result["attention_lengths"]
     assert len(per_rank) == 2 and len(single) == 8  # 4 steps × 2 micro-batches
     for lengths in per_rank:
@@ -77,7 +78,8 @@ def test_each_sp_rank_attends_from_half_of_every_sequence(workspace):
 def test_sp_checkpoint_reloads_in_one_process(workspace):
     run, reference = workspace.run("sp"), workspace.run("single")
     model = _reload(workspace, run)
-    assert model.model.config._attn_implementation == "sdpa"  # the Ulysses attention is not saved
+    # the Ulysses attention is not saved: one process attends through twinkle_sdpa (SDPA's masks and kernels)
+    assert model.model.config._attn_implementation == "twinkle_sdpa"
     assert (_logits(model) - _logits(_reload(workspace, reference))).abs().max().item() <= LOGITS_ATOL
     probe = collate(load_tokenized(workspace.data["llama"])[:3], pad_token_id=model.tokenizer.pad_token_id)
     # the probe loss the sp run computed over both halves of each sequence, before saving

@@ -44,6 +44,8 @@ BackendName = Annotated[Backend, Field(description="Training backend: transforme
 MaxLength = Annotated[int, Field(ge=16, description="Tokens per sample; longer samples are truncated.")]
 Streaming = Annotated[bool, Field(description="Read --dataset as a stream (hub splits, or a local file) and encode it as it is read: nothing is copied to the local disk but the tokenised rows.")]
 Packing = Annotated[bool, Field(description="Pack several samples into one sequence (attention kept per sample).")]
+PaddingFree = Annotated[bool, Field(description="Train each micro-batch with no padding: its samples end to end in one row, attention kept per sample (transformers backend, SDPA models attending over whole sequences; others are padded). The loss is the same.")]
+GroupByLength = Annotated[bool, Field(description="Micro-batches of rows of similar length (less padding), in a seeded order that resumes like the plain shuffle.")]
 NumProc = Annotated[int | None, Field(ge=1, description="Worker processes that tokenise the data set; empty: the machine's cores (at most 8). The result does not depend on it.")]
 MaxBadFraction = Annotated[float, Field(ge=0, le=1, description="Fail when more than this fraction of rows is malformed.")]
 EnableThinking = Annotated[bool, Field(description="Thinking-mode families (Qwen 3.5, DeepSeek R1/V4): train the reasoning of the last turn; false trains without it.")]
@@ -349,6 +351,13 @@ class LoopFields(BaseModel):
     max_steps: MaxSteps = None
     batch_size: BatchSize = 8
     gradient_accumulation_steps: GradientAccumulation = 1
+
+
+class BatchingFields(BaseModel):
+    """How a micro-batch's rows are laid out and grouped (speed; each row's loss is the same)."""
+
+    padding_free: PaddingFree = True
+    group_by_length: GroupByLength = False
 
 
 class ProcessFields(BaseModel):

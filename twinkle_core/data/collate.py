@@ -64,3 +64,38 @@ def collate(
     else:
         batch["attention_mask"] = (torch.arange(length)[None, :] < lengths[:, None]).long()
     return batch
+
+
+def collate_padding_free(examples: list[dict]) -> dict[str, torch.Tensor]:
+    """One row of every sample laid end to end, with no padding (what the `twinkle_sdpa` attention takes).
+
+    Plain and packed examples alike: position_ids restart at 0 for each sample, `cu_seq_lens_q` holds the
+    sample boundaries (int32 offsets, the flash-attention name) and the attention mask is all ones. Each
+    sample's first label is dropped (-100): with the causal shift it would be predicted from the previous
+    sample's last token, and in a padded batch it is never a target either. The loss equals that of
+    `collate`'s padded batch on the same examples.
+    """
+    if not examples:
+        raise ValueError("collate_padding_free needs at least one example")
+    input_ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    for example in examples:
+        ids = list(example["input_ids"])
+        own = example.get("position_ids")
+        own = list(range(len(ids))) if own is None else list(own)
+        row_labels = list(example["labels"])
+        for start, position in enumerate(own):
+            if position == 0:
+                row_labels[start] = IGNORE_INDEX
+        input_ids += ids
+        labels += row_labels
+        positions += own
+    position_ids = torch.tensor([positions], dtype=torch.long)
+    starts = torch.nonzero(position_ids[0] == 0).flatten()
+    bounds = torch.cat([starts, torch.tensor([position_ids.shape[1]])]).to(torch.int32)
+    return {"input_ids": torch.tensor([input_ids], dtype=torch.long),
+            "labels": torch.tensor([labels], dtype=torch.long),
+            "position_ids": position_ids,
+            "attention_mask": torch.ones_like(position_ids),
+            "cu_seq_lens_q": bounds}

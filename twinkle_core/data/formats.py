@@ -17,7 +17,7 @@ from .vision_collate import BATCH_KEYS as VISION_BATCH_KEYS
 from .vision_collate import collate_vision, pack_vision_examples, truncate_vision
 from .vision_encode import encode_vision_prompt, encode_vision_row, load_vision_processor
 from .vision_rows import validate_vision_row
-from .collate import collate
+from .collate import collate, collate_padding_free
 from .encode import count_trained_tokens, encode_chat, encode_text, encode_texts, truncate
 from .packing import pack_examples
 from .validate import validate_chat_row, validate_text_row
@@ -51,6 +51,8 @@ class RowFormat:
     num_sequences: Callable[[dict], int] = lambda example: 1  # texts the model reads per example
     collate: Callable[..., dict] = collate  # (examples, pad_token_id=, mask_dtype=) -> a batch of tensors
     batch_keys: tuple[str, ...] = ("input_ids", "labels")  # what a collated batch must hold
+    # (examples) -> one row of the samples end to end, for models that train padding-free; None: always padded
+    collate_padding_free: Callable[[list[dict]], dict] | None = collate_padding_free
     packable: bool = True
     pack: Callable[[list[dict], int], list[dict]] = pack_examples  # (examples, max_length) -> packed sequences
     # Rows that name files (images, videos): validate(row, folder=...) finds relative paths in the data file's folder.
@@ -105,17 +107,18 @@ register_row_format(RowFormat("text", validate_text_row, _encode_text_row, encod
 register_row_format(RowFormat(
     "pairs", pairs.validate_pair_row, pairs.encode_pair_row, needs_chat_template=False, truncate=pairs.truncate_pair,
     was_truncated=pairs.was_truncated, count_tokens=pairs.count_pair_tokens, num_sequences=pairs.num_texts,
-    collate=pairs.collate_pairs, batch_keys=pairs.BATCH_KEYS, packable=False))
+    collate=pairs.collate_pairs, collate_padding_free=None, batch_keys=pairs.BATCH_KEYS, packable=False))
 register_row_format(RowFormat(
     "preference", preference.validate_preference_row, preference.encode_preference_row,
     truncate=preference.truncate_preference, was_truncated=preference.was_truncated,
     count_tokens=preference.count_preference_tokens, num_sequences=lambda example: 2,
-    collate=preference.collate_preferences, batch_keys=preference.BATCH_KEYS, packable=False))
+    collate=preference.collate_preferences, collate_padding_free=None, batch_keys=preference.BATCH_KEYS,
+    packable=False))
 register_row_format(RowFormat(
     "prompts", prompts.validate_prompt_row, prompts.encode_prompt_row, truncate=prompts.truncate_prompt,
     was_truncated=prompts.prompt_too_long, count_tokens=prompts.count_prompt_tokens, collate=prompts.no_collate,
-    batch_keys=prompts.BATCH_KEYS, packable=False))
+    collate_padding_free=None, batch_keys=prompts.BATCH_KEYS, packable=False))
 register_row_format(RowFormat(
     "vision_chat", validate_vision_row, encode_vision_row, truncate=truncate_vision, collate=collate_vision,
-    batch_keys=VISION_BATCH_KEYS, reads_files=True, encoder=load_vision_processor, prompt=encode_vision_prompt,
-    pack=pack_vision_examples))
+    collate_padding_free=None, batch_keys=VISION_BATCH_KEYS, reads_files=True, encoder=load_vision_processor,
+    prompt=encode_vision_prompt, pack=pack_vision_examples))

@@ -65,7 +65,8 @@ def _build_transformers(cfg):
     return TransformersModel(str(cfg.model_path), mixed_precision=cfg.mixed_precision,
                              strategy=cfg.parallel.strategy.value, device_mesh=worker_mesh(cfg.parallel),
                              router_aux_loss_coef=cfg.router_aux_loss_coef, objective=cfg.objective,
-                             objective_options=cfg.objective_options, **cfg.load_options())
+                             objective_options=cfg.objective_options, padding_free=cfg.padding_free,
+                             **cfg.load_options())
 
 
 def _build_transformers_tenants(cfg):

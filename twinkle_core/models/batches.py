@@ -5,23 +5,26 @@ from typing import Any
 
 import torch
 
-from twinkle_core.data import collate, encode_chat, get_row_format
+from twinkle_core.data import collate, collate_padding_free, encode_chat, get_row_format
 
 
 def to_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, max_length: int | None,
-             kind: str = "chat", encode_options: dict | None = None, encoder: Any = None) -> dict:
+             kind: str = "chat", encode_options: dict | None = None, encoder: Any = None,
+             padding_free: bool = False) -> dict:
     """Rows are encoded (chat rows with the model's chat template) and collated; dicts are moved as they are.
 
-    `encoder`: what the row kind encodes with in the tokenizer's place (a vision model's processor)."""
+    `encoder`: what the row kind encodes with in the tokenizer's place (a vision model's processor);
+    `padding_free`: rows are collated end to end in one row (collate_padding_free), for a model that takes it."""
     if kind != "chat":
-        return _rows_batch(inputs, tokenizer, device, max_length, kind, encode_options or {}, encoder or tokenizer)
+        return _rows_batch(inputs, tokenizer, device, max_length, kind, encode_options or {}, encoder or tokenizer,
+                           padding_free)
     if isinstance(inputs, list):
         if not inputs:
             raise ValueError("inputs: an empty list of rows; pass at least one chat row.")
         examples = [encode_chat(tokenizer, _messages_of(row), max_length=max_length,
                                 tools=row.get("tools") if isinstance(row, dict) else None) for row in inputs]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        inputs = collate(examples, pad_token_id=pad)
+        inputs = collate_padding_free(examples) if padding_free else collate(examples, pad_token_id=pad)
     if not isinstance(inputs, dict) or "input_ids" not in inputs or "labels" not in inputs:
         raise ValueError(
             "inputs must be a list of chat rows ({'messages': [...]}) or a dict with 'input_ids', 'labels' "
@@ -31,7 +34,7 @@ def to_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, ma
 
 
 def _rows_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, max_length: int | None,
-                kind: str, encode_options: dict, encoder: Any) -> dict:
+                kind: str, encode_options: dict, encoder: Any, padding_free: bool = False) -> dict:
     """Rows of another kind (e.g. embedding pairs) through their row format; a collated dict as it is."""
     row_format = get_row_format(kind)
     if isinstance(inputs, list):
@@ -43,7 +46,9 @@ def _rows_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device,
             encoded = encoded if isinstance(encoded, list) else [encoded]  # a row may give several examples
             examples += [row_format.truncate(e, max_length) if max_length else e for e in encoded]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        inputs = row_format.collate(examples, pad_token_id=pad)
+        padding_free = padding_free and row_format.collate_padding_free is not None
+        inputs = row_format.collate_padding_free(examples) if padding_free else row_format.collate(examples,
+                                                                                                  pad_token_id=pad)
     missing = [key for key in row_format.batch_keys if not isinstance(inputs, dict) or key not in inputs]
     if missing:
         raise ValueError(f"inputs must be a list of {kind} rows or a collated batch dict; missing {missing}.")

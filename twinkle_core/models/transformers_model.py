@@ -34,6 +34,7 @@ from transformers import AutoTokenizer
 from twinkle_core.data import get_row_format, use_chat_template
 from twinkle_core.families import family_for_model_dir, get_family
 from twinkle_core.hub import check_weight_files, resolve_model
+from twinkle_core.models.attention import use_twinkle_sdpa
 from twinkle_core.models.batches import count_input_tokens, to_batch
 from twinkle_core.models.cached_step import cached_forward_backward
 from twinkle_core.models.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
@@ -107,6 +108,7 @@ class TransformersModel:
         trust_remote_code: bool = False,
         allow_pickle_weights: bool = False,
         objective_options: dict | None = None,
+        padding_free: bool = True,
         **from_pretrained_kwargs: Any,
     ):
         """`router_aux_loss_coef`: weight of the MoE router load-balancing loss (None: the config's, 0: off);
@@ -114,7 +116,9 @@ class TransformersModel:
         `objective_options` (e.g. infonce: temperature, pooling, same_side);
         `chat_template`: Jinja source that replaces the tokenizer's own template; `trust_remote_code`: run the
         modelling code a checkpoint ships (refused otherwise); `allow_pickle_weights`: load weights that exist
-        only as pytorch_model.bin (refused otherwise; read with torch.load(weights_only=True))."""
+        only as pytorch_model.bin (refused otherwise; read with torch.load(weights_only=True));
+        `padding_free`: train chat and text batches with no padding where the model allows it (`self.padding_free`
+        says whether it does; twinkle_core.models.attention)."""
         strategy = parse_strategy(strategy)
         self.objective = get_objective(objective)
         self.mesh = _resolve_mesh(device_mesh)  # joins the process group first: it picks this rank's GPU
@@ -161,6 +165,11 @@ class TransformersModel:
         if self.mesh is not None and self.mesh.size("sp") > 1:
             self.sequence = SequenceParallel.from_mesh(self.mesh)
             self.sequence.apply(self.model)
+        # SDPA causal LMs attend through twinkle_sdpa (faster on CPU in half precision; padding-free batches).
+        fast_attention = self.sequence is None and self.objective.auto_class == "AutoModelForCausalLM" and \
+            use_twinkle_sdpa(self.model)
+        self.padding_free = bool(padding_free and fast_attention and
+                                 get_row_format(self.objective.row_kind).collate_padding_free is not None)
         self.parallel = build_strategy(strategy, self.mesh, self.precision)
         self._runner: torch.nn.Module | None = None  # the loss module as a multi-process strategy wrapped it
         self.adapter_name: str | None = None
@@ -401,7 +410,8 @@ class TransformersModel:
 
     def _batch(self, inputs: list[dict] | dict) -> dict[str, torch.Tensor]:
         return to_batch(inputs, self.tokenizer, self.device, self.max_length, self.objective.row_kind,
-                        self.objective.encode_options(self.objective_options), encoder=self.encoder)
+                        self.objective.encode_options(self.objective_options), encoder=self.encoder,
+                        padding_free=self.padding_free)
 
     def _slice_sequences(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Sequence parallelism: this rank's slice of every row (unchanged otherwise)."""

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from twinkle_core.objectives.linear_ce import fusable_head, linear_cross_entropy_sum
 from twinkle_core.objectives.router_balance import global_aux_loss_share
 
 IGNORE_INDEX = -100
@@ -108,13 +109,20 @@ def trained_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], sele
 
     One pass over the whole batch; the output layer runs only where a label exists when the head allows it.
     """
+    hidden, head, outputs = trained_hidden(model, inputs, selected, extra, positions)
+    return (outputs.logits[:, positions][selected] if head is None else head(hidden)), outputs
+
+
+def trained_hidden(model: torch.nn.Module, inputs: dict[str, torch.Tensor], selected: torch.Tensor,
+                   extra: dict | None = None, positions: slice = slice(None, -1)) -> tuple[torch.Tensor | None,
+                                                                                          torch.nn.Module | None, Any]:
+    """(last hidden states at the `selected` positions, the output layer, the model's outputs) when the logits are
+    exactly output_layer(hidden); else (None, None, outputs) with the full logits in `outputs.logits`."""
     base = _unwrap(model)
     if _has_plain_head(base):
         outputs = _backbone(base)(**inputs, use_cache=False, **(extra or {}))
-        hidden = outputs.last_hidden_state[:, positions][selected]
-        return base.get_output_embeddings()(hidden), outputs
-    outputs = model(**inputs, use_cache=False, **(extra or {}))
-    return outputs.logits[:, positions][selected], outputs
+        return outputs.last_hidden_state[:, positions][selected], base.get_output_embeddings(), outputs
+    return None, None, model(**inputs, use_cache=False, **(extra or {}))
 
 
 def causal_lm_loss_sum(
@@ -137,8 +145,14 @@ def causal_lm_loss_sum(
     coef = resolve_router_aux_loss_coef(base, router_aux_loss_coef)
     balance = _router_balance(base) if coef else None
     extra = {"output_router_logits": True} if balance else {}
-    logits, outputs = trained_logits(model, inputs, selected, extra, positions)
-    loss_sum = F.cross_entropy(logits.float(), targets[selected], reduction="sum")
+    hidden, head, outputs = trained_hidden(model, inputs, selected, extra, positions)
+    if head is not None and fusable_head(head) and not head.weight.requires_grad:  # a frozen head (LoRA): chunked,
+        # no [tokens, vocab] fp32 logits (linear_ce.py); a trained head keeps autograd's path, which every parallel
+        # strategy's gradient reduction of the output weight was proven with
+        loss_sum = linear_cross_entropy_sum(hidden, head.weight, targets[selected])
+    else:
+        logits = outputs.logits[:, positions][selected] if head is None else head(hidden)
+        loss_sum = F.cross_entropy(logits.float(), targets[selected], reduction="sum")
     if balance is None:
         return LossParts(loss_sum, num_tokens)
     func, num_experts, top_k = balance

@@ -33,22 +33,51 @@ def local_rows(rows: list[dict], rank: int, world: int) -> list[dict]:
 
 
 def local_micro_batches(examples: Sequence[dict], batch_size: int, seed: int, rank: int, world: int,
-                        skip: int = 0) -> Iterator[list[dict]]:
+                        skip: int = 0, group_by_length: bool = False) -> Iterator[list[dict]]:
     """This rank's rows of every global micro-batch: a fresh seeded shuffle each epoch, forever.
 
     `batch_size` rows make one global micro-batch (the caller's step count ends the loop). The first `skip`
     micro-batches (trained on before a resume) are passed over. Only this rank's rows are read from `examples`
-    (a lazily read TokenizedRows reads nothing else).
+    (a lazily read TokenizedRows reads nothing else). `group_by_length`: each micro-batch holds rows of similar
+    length (length_grouped_batches), from the lengths alone (TokenizedRows.lengths(): no row is read).
     """
     order_rng = random.Random(seed)
+    lengths = _row_lengths(examples) if group_by_length else None
     while True:
         order = list(range(len(examples)))
         order_rng.shuffle(order)
-        for start in range(0, len(order), batch_size):
+        batches = length_grouped_batches(order, lengths, batch_size, order_rng) if group_by_length else \
+            [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+        for batch in batches:
             if skip > 0:
                 skip -= 1
                 continue
-            batch = order[start:start + batch_size]
             share = batch[rank::world]
             # A rank left without rows gets local_rows' masked stand-in, built from the batch's first row.
             yield [examples[i] for i in share] if share else local_rows([examples[batch[0]]], rank, world)
+
+
+GROUP_POOL = 64  # micro-batches whose rows are sorted by length together
+
+
+def length_grouped_batches(order: list[int], lengths: Sequence[int], batch_size: int,
+                           rng: random.Random) -> list[list[int]]:
+    """Micro-batches of rows of similar length, in a seeded random order (HF Trainer's and ms-swift's scheme).
+
+    The shuffled `order` is cut into pools of GROUP_POOL micro-batches; each pool is sorted by length (longest
+    first, ties in shuffled order) and cut into micro-batches, and the micro-batches of the epoch are shuffled.
+    Every row is still seen once per epoch, and the same seed gives the same batches (so a resume skips exactly
+    the micro-batches already trained on). Only the last micro-batch of the epoch may be short."""
+    pool = batch_size * GROUP_POOL
+    sorted_rows = []
+    for start in range(0, len(order), pool):
+        sorted_rows += sorted(order[start:start + pool], key=lambda index: -int(lengths[index]))
+    batches = [sorted_rows[start:start + batch_size] for start in range(0, len(sorted_rows), batch_size)]
+    full = [batch for batch in batches if len(batch) == batch_size]
+    rng.shuffle(full)
+    return full + [batch for batch in batches if len(batch) < batch_size]
+
+
+def _row_lengths(examples: Sequence[dict]) -> Sequence[int]:
+    lengths = getattr(examples, "lengths", None)
+    return lengths() if callable(lengths) else [len(example["input_ids"]) for example in examples]

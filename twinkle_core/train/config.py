@@ -9,8 +9,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from twinkle_core.config.fields import (AdapterFields, BackendName, CheckpointEvery, KeepCheckpoints, LoopFields,
-                                        MixedPrecisionMode, ModelId, ModelLoadFields, OptimizerFields,
+from twinkle_core.config.fields import (AdapterFields, BackendName, BatchingFields, CheckpointEvery, KeepCheckpoints,
+                                        LoopFields, MixedPrecisionMode, ModelId, ModelLoadFields, OptimizerFields,
                                         RouterAuxLossCoef)
 from twinkle_core.parallel import ParallelConfig
 
@@ -27,7 +27,7 @@ class RunConfigFile(BaseModel):
         return cls.model_validate_json(Path(path).read_text())
 
 
-class TrainRunConfig(RunConfigFile, AdapterFields, OptimizerFields, LoopFields, ModelLoadFields):
+class TrainRunConfig(RunConfigFile, AdapterFields, OptimizerFields, BatchingFields, LoopFields, ModelLoadFields):
     """Everything a worker needs; paths only, no live objects."""
 
     model_id: ModelId

@@ -96,7 +96,7 @@ class SFTRecipe:
         return {"train_data": str(cfg.train_data), "batch_size": cfg.batch_size, "seed": cfg.seed,
                 "gradient_accumulation_steps": cfg.gradient_accumulation_steps, "total_steps": self.total_steps,
                 "use_lora": cfg.use_lora, "lora_r": cfg.lora_r, "optimizer": cfg.optimizer, "lr": cfg.lr,
-                "scheduler": cfg.scheduler}
+                "scheduler": cfg.scheduler, "group_by_length": cfg.group_by_length}
 
     def _resume(self) -> int:
         """The step to start from: that of the last saved training state in checkpoint_dir, else 0."""
@@ -115,7 +115,8 @@ class SFTRecipe:
     def _batches(self, skip: int = 0):
         """This rank's collated micro-batches (`local_micro_batches`); the first `skip` were trained before a resume."""
         rows = local_micro_batches(self.examples, self.config.batch_size, self.config.seed,
-                                   self.model.data_parallel_rank, self.model.data_parallel_size, skip)
+                                   self.model.data_parallel_rank, self.model.data_parallel_size, skip,
+                                   group_by_length=self.config.group_by_length)
         batches = (self._collate(share) for share in rows)
         steps = self.config.gradient_accumulation_steps
         if self.objective.embed is None or steps == 1:
@@ -124,6 +125,8 @@ class SFTRecipe:
         return (list(step) for step in zip(*[batches] * steps))
 
     def _collate(self, examples: list[dict]) -> dict:
+        if getattr(self.model, "padding_free", False):  # the model takes its samples end to end, unpadded
+            return self.row_format.collate_padding_free(examples)
         return self.row_format.collate(examples, pad_token_id=self.pad_id, mask_dtype=self.mask_dtype)
 
     def train(self) -> None:

@@ -1,0 +1,148 @@
+"""The faster SFT step is the same step: padding-free batches, the chunked output-layer loss, the math attention
+path and length-grouped order each give today's losses and weights (fp32, within 1e-5), on a tiny real Llama."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tiny_models import SAMPLE_ROWS as ROWS
+from tiny_models import save_tiny_model
+from twinkle_core.data import collate, collate_padding_free, encode_chat, pack_examples
+from twinkle_core.models import TransformersModel
+from twinkle_core.objectives.linear_ce import linear_cross_entropy_sum
+from twinkle_core.parallel import local_micro_batches
+
+
+def _model(path, lora=True, padding_free=True, seed=0, **kw):
+    torch.manual_seed(seed)
+    model = TransformersModel(str(path), mixed_precision="no", padding_free=padding_free, **kw)
+    if lora:
+        model.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model.set_optimizer("AdamW", lr=1e-2)
+    return model
+
+
+def _examples(model):
+    return [encode_chat(model.tokenizer, row["messages"]) for row in ROWS]
+
+
+def _train(model, batch, steps=3):
+    losses = []
+    for _ in range(steps):
+        losses.append(model.forward_backward(dict(batch)))
+        model.clip_grad_and_step(1.0)
+    return losses
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_padding_free_batches_train_exactly_like_padded_ones(tiny_model_dir, lora):
+    padded, free = _model(tiny_model_dir, lora, padding_free=False), _model(tiny_model_dir, lora)
+    assert free.padding_free and not padded.padding_free
+    examples = _examples(free)
+    assert len({len(e["input_ids"]) for e in examples}) > 1  # the padded batch really pads
+    batch = collate_padding_free(examples)
+    assert batch["input_ids"].shape == (1, sum(len(e["input_ids"]) for e in examples))
+    reference = _train(padded, collate(examples, pad_token_id=padded.tokenizer.pad_token_id))
+    losses = _train(free, batch)
+    assert losses == pytest.approx(reference, rel=1e-5)
+    assert losses[-1] < losses[0]
+    for (name, a), b in zip(padded.model.named_parameters(), free.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-5), name
+
+
+def test_padding_free_packed_sequences_equal_the_block_mask(tiny_model_dir):
+    """Packed examples (position ids restarting) laid end to end give the loss of their 4-D block-causal mask."""
+    model = _model(tiny_model_dir)
+    examples = _examples(model)
+    packed = pack_examples(examples, max_length=2 * max(len(e["input_ids"]) for e in examples))
+    assert len(packed) >= 2 and any(list(p["position_ids"]).count(0) > 1 for p in packed)
+    masked = model.forward_only(collate(packed, pad_token_id=model.tokenizer.pad_token_id))
+    assert model.forward_only(collate_padding_free(packed)) == pytest.approx(masked, rel=1e-6)
+
+
+def test_math_attention_and_sdpa_give_the_same_logits_and_generation(tiny_model_dir):
+    """twinkle_sdpa's math path (short CPU sequences) against Transformers' SDPA: padded training batches and
+    left-padded batched generation (GRPO's rollouts) alike."""
+    model = _model(tiny_model_dir, lora=False)
+    hf = model.model
+    assert hf.config._attn_implementation == "twinkle_sdpa"
+    batch = collate(_examples(model), pad_token_id=model.tokenizer.pad_token_id)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        ours = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        hf.set_attn_implementation("sdpa")
+        theirs = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        prompts = model.tokenizer(["hello there", "Who made you? Tell me"], return_tensors="pt", padding=True,
+                                  padding_side="left")
+        expected = hf.generate(**prompts, max_new_tokens=6, do_sample=False)
+        hf.set_attn_implementation("twinkle_sdpa")
+        generated = hf.generate(**prompts, max_new_tokens=6, do_sample=False)
+    assert torch.allclose(ours[real], theirs[real], atol=1e-5)
+    assert torch.equal(generated, expected)
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32:
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def test_chunked_output_layer_loss_equals_cross_entropy_without_a_full_logits_tensor():
+    torch.manual_seed(0)
+    tokens, hidden_size, vocab = 300, 16, 1000
+    hidden = torch.randn(tokens, hidden_size, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+    reference = F.cross_entropy(F.linear(hidden, weight), targets, reduction="sum")
+    ref_grads = torch.autograd.grad(3 * reference, (hidden, weight))
+    with _LargestTensor() as probe:
+        loss = linear_cross_entropy_sum(hidden, weight, targets, chunk_elements=64 * vocab)
+        grads = torch.autograd.grad(3 * loss, (hidden, weight))
+    assert float(loss) == pytest.approx(float(reference), rel=1e-6)
+    for ours, theirs in zip(grads, ref_grads):
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert probe.largest < tokens * vocab  # chunks of 64 rows: no [tokens, vocab] fp32 tensor at any time
+    with torch.no_grad():
+        assert float(linear_cross_entropy_sum(hidden, weight, targets)) == pytest.approx(float(reference), rel=1e-6)
+
+
+def test_sliding_window_models_keep_padded_batches(tmp_path):
+    path = save_tiny_model(tmp_path / "mistral", "mistral", sliding_window=8)
+    model = TransformersModel(str(path), mixed_precision="no")
+    assert not model.padding_free
+    assert model.model.config._attn_implementation == "sdpa"
+
+
+def test_saved_checkpoint_names_no_private_attention(tiny_model_dir, tmp_path):
+    model = _model(tiny_model_dir, lora=False)
+    saved = model.save("model", tmp_path)
+    assert "twinkle_sdpa" not in json.dumps(json.loads((saved / "config.json").read_text()))
+
+
+def test_length_grouped_order_sees_every_row_once_per_epoch_with_less_padding():
+    lengths = [(i * 37) % 500 + 1 for i in range(1000)]
+    rows = [{"input_ids": [0] * n} for n in lengths]
+
+    def epoch(group, seed=3, skip=0):
+        batches = local_micro_batches(rows, 8, seed, 0, 1, skip=skip, group_by_length=group)
+        return [[len(r["input_ids"]) for r in next(batches)] for _ in range(125 - skip)]
+
+    grouped, plain = epoch(True), epoch(False)
+    assert sorted(n for b in grouped for n in b) == sorted(lengths)
+
+    def padding(batches):
+        return sum(max(b) * len(b) - sum(b) for b in batches)
+
+    assert padding(grouped) < 0.1 * padding(plain)
+    assert epoch(True) == grouped and epoch(True, seed=4) != grouped
+    assert epoch(True, skip=10) == grouped[10:]  # a resume skips exactly the trained micro-batches

@@ -1,0 +1,133 @@
+"""The attention a Transformers causal LM trains with here: SDPA, made faster on CPU and able to run
+padding-free batches (`twinkle_sdpa`).
+
+- **Padding-free batches** (twinkle_core.data.collate_padding_free): a micro-batch's samples are laid end to
+  end in one row, position ids restarting per sample, with `cu_seq_lens_q` (the sample boundaries, the name
+  flash-attention kernels read). Attention runs sample by sample (causal SDPA on each slice), so no sample sees
+  another and no [T, T] mask is built; the linear layers run over real tokens only, with no padding.
+- **bf16/fp16 on CPU**: PyTorch's CPU flash-attention kernel is about 3x slower in bf16 than in fp32 on these
+  shapes (SmolLM2's 9 heads x 64, 60-300 tokens, forward + backward: 10.4 ms against 3.1 ms), so q, k and v
+  are upcast to fp32 for the kernel and the output cast back. That is more precise, not less; fp32 runs are
+  unchanged, and CUDA keeps its own half-precision kernels.
+
+Every other case goes to Transformers' own `sdpa_attention_forward`, with Transformers' sdpa masks
+(the mask function is registered under the same name), so padded batches, left-padded generation and 4-D
+packed masks behave exactly as with `attn_implementation="sdpa"`.
+"""
+from __future__ import annotations
+
+import torch
+
+ATTENTION_NAME = "twinkle_sdpa"
+_HALF = (torch.bfloat16, torch.float16)
+# The math path's fp32 scores per call (b x heads x s x s): 16M elements, 64 MB, kept for backward per layer.
+MATH_ATTENTION_SCORES = 1 << 24
+
+
+def _upcast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if tensors[0].device.type == "cpu" and tensors[0].dtype in _HALF:
+        return tuple(t.float() for t in tensors)
+    return tensors
+
+
+def _math_attention(module, query, key, value, mask, scaling):
+    """softmax(q k^T * scale + mask) v with the softmax in fp32: Transformers' eager attention, on CPU faster than
+    the flash kernel for short sequences (it is what `attn_implementation="eager"` computes). `mask`: a boolean
+    [b or 1, 1, s, s] mask of allowed keys, or None for causal."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    if mask is None:
+        length = query.shape[2]
+        mask = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()[None, None]
+    scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
+def _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
+    """[b, s, heads, d]: the math path for short sequences on CPU, else SDPA (upcast on CPU in half precision)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, length, _ = query.shape
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    small = batch * heads * length * key.shape[2] <= MATH_ATTENTION_SCORES and length == key.shape[2]
+    if query.device.type == "cpu" and small and not dropout and causal and \
+            (attention_mask is None or attention_mask.dtype == torch.bool):
+        return _math_attention(module, query, key, value, attention_mask, scaling)
+    dtype = query.dtype
+    out, _ = sdpa_attention_forward(module, *_upcast(query, key, value), attention_mask, dropout, scaling, is_causal,
+                                    **kwargs)
+    return out.to(dtype)
+
+
+def _segments(bounds: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """For samples laid end to end (offsets `bounds`): the index that lays them out as a right-padded
+    [samples, longest] batch (padding repeats a sample's own first token), the flat positions of the real
+    tokens in that batch, the number of samples and the longest."""
+    starts, lengths = bounds[:-1].long(), (bounds[1:] - bounds[:-1]).long()
+    longest = int(lengths.max())
+    steps = torch.arange(longest, device=device)
+    real = steps[None, :] < lengths[:, None]
+    index = starts[:, None] + torch.where(real, steps[None, :], 0)
+    return index.flatten(), torch.nonzero(real.flatten()).flatten(), len(lengths), longest
+
+
+def twinkle_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                 cu_seq_lens_q: torch.Tensor | None = None, **kwargs):
+    """Transformers' attention-interface signature: q [b, heads, s, d], k/v [b, kv_heads, s, d] → [b, s, heads, d]."""
+    if cu_seq_lens_q is None or query.shape[2] != key.shape[2]:  # no boundaries, or decoding with a cache
+        return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs), None
+    if query.shape[0] != 1:
+        raise ValueError(f"padding-free attention takes one row of samples laid end to end; got a batch of "
+                         f"{query.shape[0]}")
+    # The samples as a right-padded batch for the kernel: causal attention never lets a real token see the
+    # padding after it, and the padding's outputs are dropped.
+    index, real, samples, longest = _segments(cu_seq_lens_q.to(query.device), query.device)
+
+    def padded(x):
+        return x[0][:, index].unflatten(1, (samples, longest)).transpose(0, 1)
+
+    out = _attention(module, padded(query), padded(key), padded(value), None, dropout, scaling, True, **kwargs)
+    return out.flatten(0, 1)[real][None], None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, twinkle_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+
+
+def padding_free_problems(model: torch.nn.Module) -> list[str]:
+    """Why `model` cannot train padding-free batches (empty: it can).
+
+    It must hand its attention to Transformers' attention interface (the sample boundaries reach the kernel
+    through it), use SDPA (a model that asked for eager attention or a flash kernel keeps it), and attend over
+    whole sequences: a sliding window or linear-attention layers would need a mask per sample."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None else None
+    if text is None or not getattr(type(model), "_supports_attention_backend", False):
+        return [f"{type(model).__name__} does not pass attention through Transformers' attention interface"]
+    if getattr(text, "_attn_implementation", None) not in ("sdpa", ATTENTION_NAME):
+        return [f"attention implementation {text._attn_implementation!r} (padding-free batches use sdpa)"]
+    other_layers = sorted({t for t in getattr(text, "layer_types", None) or () if t != "full_attention"})
+    if other_layers:
+        return [f"model_type {text.model_type!r} has {other_layers} layers"]
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        return [f"model_type {text.model_type!r} attends within a sliding window of {text.sliding_window} tokens"]
+    return []
+
+
+def use_twinkle_sdpa(model: torch.nn.Module) -> bool:
+    """Switch an SDPA causal LM to `twinkle_sdpa`; return whether it now runs padding-free batches."""
+    if padding_free_problems(model):
+        return False
+    _register()
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+    return True

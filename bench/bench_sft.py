@@ -53,6 +53,7 @@ BUNDLED = ROOT / "twinkle_core" / "datasets" / "self_cognition" / "train.jsonl"
 LORA = dict(r=8, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
 LR, SEED, RESULT = 1e-3, 42, "BENCH_RESULT "
 TRAINERS = ("ours", "hf", "trl-padding-free", "trl-packing")
+DEFAULT_TRAINERS = ("ours", "hf", "trl-padding-free")  # trl-packing: see the docstring
 WORDS = "the a model learns to answer every question with care and some detail about data training steps".split()
 
 
@@ -168,8 +169,10 @@ def run_hf(model_dir: str, batches: list[list[dict]], args, trl_mode: str | None
                     losses.append(float(loss))
                     return loss
 
-            mode = {"padding_free": True} if trl_mode == "padding-free" else {"packing": True}
-            config = SFTConfig(output_dir=output_dir, max_length=args.max_length, **mode, **common)
+            # our rows are already cut to max_length; trl wants max_length=None with padding-free rows
+            mode = {"padding_free": True, "max_length": None} if trl_mode == "padding-free" else \
+                {"packing": True, "max_length": args.max_length}
+            config = SFTConfig(output_dir=output_dir, **mode, **common)
             trainer = Recorded(model=model, args=config, train_dataset=Dataset.from_list(rows),
                                processing_class=tokenizer, peft_config=LoraConfig(task_type="CAUSAL_LM", **LORA),
                                callbacks=[clock])
@@ -193,10 +196,14 @@ def one(args) -> None:
 
 
 def run_child(trainer: str, data: Path, steps: int | None, args) -> dict:
+    from twinkle_core.launch import cpu_allocator_env
+
     cmd = [sys.executable, __file__, "--one", trainer, "--data", str(data), "--model-id", args.model_id,
            "--batch-size", str(args.batch_size), "--max-length", str(args.max_length)]
     cmd += ["--steps", str(steps)] if steps else []
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    # Every trainer runs with the allocator settings our launcher gives CPU workers (twinkle_core.launch), so the
+    # ratios come from the training code alone.
+    env = {**os.environ, **cpu_allocator_env(), "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -223,7 +230,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-id", default=DEFAULT_MODEL)
     parser.add_argument("--sets", default="bundled,generated")
-    parser.add_argument("--trainers", default=",".join(TRAINERS))
+    parser.add_argument("--trainers", default=",".join(DEFAULT_TRAINERS), help=f"of {','.join(TRAINERS)}")
     parser.add_argument("--generated-rows", type=int, default=2000)
     parser.add_argument("--generated-steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8)

@@ -17,7 +17,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.concurrency.sync import concurrency
 
 from tasks.refs import CheckpointRef
-from twinkle_core.launch import cpu_threads_env, run_streaming, torchrun_command_for
+from twinkle_core.launch import cpu_allocator_env, cpu_threads_env, run_streaming, torchrun_command_for
 from twinkle_core.train import TrainRunConfig
 from twinkle_core.train.pretrain import PretrainRunConfig
 from twinkle_core.train.recipe import EVENT_PREFIX
@@ -111,7 +111,7 @@ def launch_workers(parallel, entry: str, config_path: Path, follow, timeout_s: f
                  device_limit)
     with concurrency(device_limit, occupy=slots, strict=False) if device_limit else contextlib.nullcontext():
         log.info("launching: %s", " ".join(cmd))
-        run_streaming(cmd, follow, timeout_s=timeout_s, env=cpu_threads_env(slots))
+        run_streaming(cmd, follow, timeout_s=timeout_s, env={**cpu_threads_env(slots), **cpu_allocator_env()})
 
 
 @task

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from twinkle_core.launch import (WorkerError, cpu_threads_env, run_streaming, torchrun_command,
-                                 torchrun_command_for)
+from twinkle_core.launch import (CPU_ALLOCATOR_ENV, WorkerError, cpu_allocator_env, cpu_threads_env, run_streaming,
+                                 torchrun_command, torchrun_command_for)
 from twinkle_core.parallel import ParallelConfig
 
 
@@ -101,6 +101,21 @@ def test_cpu_workers_share_the_cores_unless_told(monkeypatch):
     assert cpu_threads_env(nproc_per_node=32) == {"OMP_NUM_THREADS": "1"}
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cpu_threads_env(nproc_per_node=2) == {}
+
+
+def test_cpu_workers_keep_freed_memory_for_reuse_unless_told(monkeypatch):
+    """The allocator settings reach a real worker process (glibc reads them at start), and a user's value wins."""
+    for name in CPU_ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert cpu_allocator_env() == CPU_ALLOCATOR_ENV
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "0")
+    env = cpu_allocator_env()
+    assert "MALLOC_TOP_PAD_" not in env and env["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20)
+    seen = []
+    run_streaming([sys.executable, "-c", "import os; print(os.environ['MALLOC_TRIM_THRESHOLD_'])"], seen.append,
+                  env=env)
+    assert seen == [str(16 << 30)]
 
 
 ALLREDUCE_WORKER = """

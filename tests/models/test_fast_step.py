@@ -37,8 +37,17 @@ def _train(model, batch, steps=3):
     return losses
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_padding_free_batches_train_exactly_like_padded_ones(tiny_model_dir, lora):
+@pytest.mark.parametrize("lora, path", [(True, "math"), (False, "math"), (True, "flash"), (True, "per-sample")])
+def test_padding_free_batches_train_exactly_like_padded_ones(tiny_model_dir, lora, path, monkeypatch):
+    """Each of twinkle_sdpa's paths: short samples as one padded kernel call (math or flash kernel), or one
+    call per sample (long uneven samples; forced here on short ones)."""
+    from twinkle_core.models import attention
+
+    if path == "flash":
+        monkeypatch.setattr(attention, "MATH_ATTENTION_SCORES", 0)
+    if path == "per-sample":
+        monkeypatch.setattr(attention, "LOOP_MIN_LENGTH", 1)
+        monkeypatch.setattr(attention, "LOOP_WASTE", 0.0)
     padded, free = _model(tiny_model_dir, lora, padding_free=False), _model(tiny_model_dir, lora)
     assert free.padding_free and not padded.padding_free
     examples = _examples(free)

@@ -1,18 +1,22 @@
-"""The attention a Transformers causal LM trains with here: SDPA, made faster on CPU and able to run
-padding-free batches (`twinkle_sdpa`).
+"""The attention a Transformers causal LM trains with here (`twinkle_sdpa`): SDPA's, with two CPU paths and
+padding-free batches. Measured on 2 cores, SmolLM2-135M (9 heads x 64), LoRA, bf16 (bench/bench_sft.py).
 
-- **Padding-free batches** (twinkle_core.data.collate_padding_free): a micro-batch's samples are laid end to
-  end in one row, position ids restarting per sample, with `cu_seq_lens_q` (the sample boundaries, the name
-  flash-attention kernels read). Attention runs sample by sample (causal SDPA on each slice), so no sample sees
-  another and no [T, T] mask is built; the linear layers run over real tokens only, with no padding.
-- **bf16/fp16 on CPU**: PyTorch's CPU flash-attention kernel is about 3x slower in bf16 than in fp32 on these
-  shapes (SmolLM2's 9 heads x 64, 60-300 tokens, forward + backward: 10.4 ms against 3.1 ms), so q, k and v
-  are upcast to fp32 for the kernel and the output cast back. That is more precise, not less; fp32 runs are
-  unchanged, and CUDA keeps its own half-precision kernels.
+- **Padding-free batches** (twinkle_core.data.collate_padding_free): a micro-batch's samples lie end to end in
+  one row, position ids restarting per sample, with `cu_seq_lens_q` (the sample boundaries, the name flash-
+  attention kernels read). The linear layers then run over real tokens only. Attention keeps samples apart:
+  short or even samples are laid out as a right-padded batch for one kernel call (causal attention never lets a
+  real token see the padding after it; the padding's outputs are dropped); long samples of uneven lengths
+  attend one sample at a time, which does a fraction of a padded batch's work (1.23x on the 50-1000-token set).
+- **Short sequences on CPU** (scores of at most MATH_ATTENTION_SCORES): softmax(q k^T) v as plain matmuls with an
+  fp32 softmax (Transformers' eager attention). PyTorch's CPU flash kernel pays a fixed cost per call that
+  dominates at these sizes: a 60-token micro-batch of 8 took 5.9 ms per layer (forward + backward) there.
+- **Longer sequences on CPU in bf16/fp16**: the flash kernel, with q, k and v upcast to fp32 (it is about 1.5x
+  faster in fp32 than in bf16 here: 41 against 59 ms for 8 x 300 tokens); more precise, not less.
 
-Every other case goes to Transformers' own `sdpa_attention_forward`, with Transformers' sdpa masks
-(the mask function is registered under the same name), so padded batches, left-padded generation and 4-D
-packed masks behave exactly as with `attn_implementation="sdpa"`.
+fp32 runs give SDPA's results within rounding; CUDA keeps SDPA's own kernels. Every other case (decoding with a
+cache, masks other than causal) goes to Transformers' `sdpa_attention_forward`, with Transformers' sdpa masks (the
+mask function is registered under this name), so padded batches, left-padded generation and 4-D packed masks
+behave exactly as with `attn_implementation="sdpa"`.
 """
 from __future__ import annotations
 
@@ -20,8 +24,12 @@ import torch
 
 ATTENTION_NAME = "twinkle_sdpa"
 _HALF = (torch.bfloat16, torch.float16)
-# The math path's fp32 scores per call (b x heads x s x s): 16M elements, 64 MB, kept for backward per layer.
-MATH_ATTENTION_SCORES = 1 << 24
+# The math path's fp32 scores per call (b x heads x s x s), kept for backward per layer: at most 1M (4 MB). Beyond,
+# the flash kernel is as fast here (1000-token samples) and holds no scores.
+MATH_ATTENTION_SCORES = 1 << 20
+# Padding-free samples at least this long, of lengths uneven enough, attend one sample at a time.
+LOOP_MIN_LENGTH = 256
+LOOP_WASTE = 1.5  # ... when a padded batch would do this many times the attention work of the samples
 
 
 def _upcast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -84,8 +92,16 @@ def twinkle_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     if query.shape[0] != 1:
         raise ValueError(f"padding-free attention takes one row of samples laid end to end; got a batch of "
                          f"{query.shape[0]}")
-    # The samples as a right-padded batch for the kernel: causal attention never lets a real token see the
-    # padding after it, and the padding's outputs are dropped.
+    bounds = cu_seq_lens_q.tolist()
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+    if max(lengths) >= LOOP_MIN_LENGTH and len(lengths) * max(lengths) ** 2 > LOOP_WASTE * sum(n * n for n in lengths):
+        # Long samples of uneven lengths: one kernel call per sample does a fraction of a padded batch's work.
+        outs = [_attention(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None,
+                           dropout, scaling, True, **kwargs)
+                for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+        return torch.cat(outs, dim=1), None
+    # Short or even samples: a right-padded batch for one kernel call. Causal attention never lets a real token see
+    # the padding after it, and the padding's outputs are dropped.
     index, real, samples, longest = _segments(cu_seq_lens_q.to(query.device), query.device)
 
     def padded(x):

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run run-embedding run-dpo run-grpo test test-fast bench bench-embedding bench-dpo bench-vision bench-data clean
+.PHONY: install run run-embedding run-dpo run-grpo test test-fast bench bench-lora bench-grpo bench-embedding bench-dpo bench-vision bench-data clean
 
 install: $(STAMP)
 
@@ -46,8 +46,17 @@ FAST_TESTS := tests/config tests/data tests/hub/test_hub_ids.py tests/hub/test_h
 test-fast: install
 	$(BIN)/python -m pytest -q $(FAST_TESTS)
 
+# SFT speed against HF Trainer + PEFT and trl's SFTTrainer (the bundled set and a generated one; ~25 minutes).
 bench: install
+	$(BIN)/python bench/bench_sft.py
+
+# The older fixed-batch comparison (full labels, 8 x 128 tokens) against HF Trainer.
+bench-lora: install
 	$(BIN)/python bench/bench_lora.py
+
+# GRPO steps/s against trl's GRPOTrainer, split into rollout and update (~12 minutes).
+bench-grpo: install
+	$(BIN)/python bench/bench_grpo.py
 
 bench-embedding: install
 	$(BIN)/python bench/bench_embedding.py

@@ -32,7 +32,7 @@ def build_parser(model: type[BaseModel], description: str) -> argparse.ArgumentP
                         help="Show the traceback of an error the run reports (bad id, data set or option); the "
                              "Prefect log has it either way.")
     for name, field in model.model_fields.items():
-        help_text = field.description or ""
+        help_text = (field.description or "").replace("%", "%%")  # argparse formats help with %
         # Every flag's argparse default is None (unset: the file's or the model's value wins), so the model's
         # own default is written here, once; None means "decided by the run" and the help text says how.
         if not field.is_required() and field.default is not None:

@@ -155,3 +155,33 @@ def test_length_grouped_order_sees_every_row_once_per_epoch_with_less_padding():
     assert padding(grouped) < 0.1 * padding(plain)
     assert epoch(True) == grouped and epoch(True, seed=4) != grouped
     assert epoch(True, skip=10) == grouped[10:]  # a resume skips exactly the trained micro-batches
+
+
+def test_compiled_decoder_layers_train_like_eager_ones(tiny_model_dir):
+    """--compile: each decoder layer compiled (dynamic shapes), the same losses in fp32 on padding-free batches
+    of two shapes (one graph serves both); a multi-process model refuses it."""
+    from twinkle_core.models.compiled import decoder_layers
+
+    eager, compiled = _model(tiny_model_dir), _model(tiny_model_dir, compile=True)
+    layers = decoder_layers(compiled.model)
+    assert layers and all(layer._compiled_call_impl is not None for layer in layers)
+    examples = _examples(eager)
+    for batch in (collate_padding_free(examples), collate_padding_free(examples[:2])):
+        reference, losses = _train(eager, batch, steps=2), _train(compiled, batch, steps=2)
+        assert losses == pytest.approx(reference, rel=1e-5)
+    assert losses[-1] < losses[0]
+
+
+def test_compile_is_refused_where_it_is_not_built(tiny_model_dir, tmp_path):
+    from flows.sft import SFTConfig
+    from twinkle_core.train.checks import run_problems
+
+    (tmp_path / "rows.jsonl").write_text("")
+    common = dict(model_id=str(tiny_model_dir), dataset=str(tmp_path / "rows.jsonl"), compile=True)
+    assert not [p for p in run_problems(SFTConfig(**common)) if "compile" in p]
+    with pytest.raises(ValueError, match="compile=True: compiled decoder layers are built and measured for one "
+                                         "process; use compile=false"):
+        SFTConfig(**common, nproc_per_node=2, dp_size=2)
+    with pytest.raises(ValueError, match="backend='megatron': compile=True: compiled decoder layers belong to the "
+                                         "Transformers backend"):
+        SFTConfig(**common, backend="megatron")

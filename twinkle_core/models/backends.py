@@ -66,6 +66,7 @@ def _build_transformers(cfg):
                              strategy=cfg.parallel.strategy.value, device_mesh=worker_mesh(cfg.parallel),
                              router_aux_loss_coef=cfg.router_aux_loss_coef, objective=cfg.objective,
                              objective_options=cfg.objective_options, padding_free=cfg.padding_free,
+                             compile=cfg.compile,
                              **cfg.load_options())
 
 
@@ -117,6 +118,9 @@ def _transformers_options(config, model_config) -> list[str]:
          "flash-linear-attention kernels and cu_seqlens, not used here); use packing=false"),
         ("mixed_precision", config.kind == "multi_lora" and config.mixed_precision == "fp8",
          "fp8 linears are not built for multi-tenant LoRA; use bf16 or no"),
+        ("compile", getattr(config, "compile", False) and
+         getattr(config, "nproc_per_node", 1) * getattr(config, "nnodes", 1) > 1,
+         "compiled decoder layers are built and measured for one process; use compile=false"),
         ("cp_size", getattr(config, "cp_size", 1) > 1, "context parallelism belongs to the megatron backend; on "
                                                       "transformers split sequences with sp_size (Ulysses)"),
         ("transformer_impl", getattr(config, "transformer_impl", None) is not None,
@@ -204,6 +208,7 @@ def _megatron_options(config, model_config) -> list[str]:
         ("dp_size", getattr(config, "dp_size", 1) > 1, "megatron's data parallelism is what tp_size x pp_size "
                                                       "leave; use 1"),
         ("fsdp_size", getattr(config, "fsdp_size", None) not in (None, 1), "FSDP belongs to the Transformers backend"),
+        ("compile", getattr(config, "compile", False), "compiled decoder layers belong to the Transformers backend"),
         ("router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None) not in (None, 0),
          "megatron trains mixture-of-experts models here without a router load-balancing loss; use None or 0, "
          "or backend='transformers'"),

@@ -35,6 +35,7 @@ from twinkle_core.data import get_row_format, use_chat_template
 from twinkle_core.families import family_for_model_dir, get_family
 from twinkle_core.hub import check_weight_files, resolve_model
 from twinkle_core.models.attention import use_twinkle_sdpa
+from twinkle_core.models.compiled import compile_decoder_layers
 from twinkle_core.models.batches import count_input_tokens, to_batch
 from twinkle_core.models.cached_step import cached_forward_backward
 from twinkle_core.models.checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
@@ -109,6 +110,7 @@ class TransformersModel:
         allow_pickle_weights: bool = False,
         objective_options: dict | None = None,
         padding_free: bool = True,
+        compile: bool = False,
         **from_pretrained_kwargs: Any,
     ):
         """`router_aux_loss_coef`: weight of the MoE router load-balancing loss (None: the config's, 0: off);
@@ -118,7 +120,8 @@ class TransformersModel:
         modelling code a checkpoint ships (refused otherwise); `allow_pickle_weights`: load weights that exist
         only as pytorch_model.bin (refused otherwise; read with torch.load(weights_only=True));
         `padding_free`: train chat and text batches with no padding where the model allows it (`self.padding_free`
-        says whether it does; twinkle_core.models.attention)."""
+        says whether it does; twinkle_core.models.attention); `compile`: torch.compile each decoder layer when
+        the optimizer is set (one process; twinkle_core.models.compiled)."""
         strategy = parse_strategy(strategy)
         self.objective = get_objective(objective)
         self.mesh = _resolve_mesh(device_mesh)  # joins the process group first: it picks this rank's GPU
@@ -171,6 +174,9 @@ class TransformersModel:
         self.padding_free = bool(padding_free and fast_attention and
                                  get_row_format(self.objective.row_kind).collate_padding_free is not None)
         self.parallel = build_strategy(strategy, self.mesh, self.precision)
+        if compile and self.parallel.is_distributed:
+            raise ValueError("compile=True: compiled decoder layers are built for one process; use compile=false")
+        self.compile = compile
         self._runner: torch.nn.Module | None = None  # the loss module as a multi-process strategy wrapped it
         self.adapter_name: str | None = None
         self.gradient_accumulation_steps = 1
@@ -231,6 +237,8 @@ class TransformersModel:
             self.objective.prepare_training(self.model, self.objective_options)
         # The strategy wraps or shards the model first where the optimizer must see the sharded parameters.
         uses_scaler = self.precision.uses_grad_scaler
+        if self.compile:  # after the adapter's layers are in place: the graphs trace them at the first step
+            compile_decoder_layers(self.model)
         runner, optimizer = self.parallel.prepare(
             self._loss_module(), lambda params: build_optimizer(optimizer_cls, params, lr, uses_scaler, **kw))
         if self.parallel.is_distributed:  # one process keeps following self.model (adapters may still change)

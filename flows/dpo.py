@@ -127,7 +127,8 @@ def dpo(config: DPOConfig = DPOConfig()) -> dict:
     run_dir = run_folder(config.output_dir, config)  # a retry of this flow run gets the same folder and resumes
     model = download_model(config.model_id, **config.model_options())
     config.check_model(model)
-    train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)
+    train_file = download_dataset(config.dataset, config.streaming)  # the held-out set is small: a file
+    eval_file = download_dataset(config.eval_dataset)
     train_data = tokenize(train_file, model, config.max_length, False, config.max_bad_fraction,
                           config.enable_thinking, "preference", num_proc=config.num_proc)
     heldout = tokenize(eval_file, model, config.max_length, False, config.max_bad_fraction, config.enable_thinking,

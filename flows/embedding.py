@@ -110,7 +110,8 @@ def embedding(config: EmbeddingConfig = EmbeddingConfig()) -> dict:
     config.check_model(model)
     # The pooling and query prompt: the run's choice, else the checkpoint's files, else the family's.
     settings = resolve_settings(model.path, get_family(model.family), config.pooling, config.query_task)
-    train_file, eval_file = download_dataset(config.dataset), download_dataset(config.eval_dataset)
+    train_file = download_dataset(config.dataset, config.streaming)  # the held-out set is small: a file
+    eval_file = download_dataset(config.eval_dataset)
     train_data = tokenize(train_file, model, config.max_length, False, config.max_bad_fraction, True, "pairs",
                           settings.encode_options(), num_proc=config.num_proc)
     with TrackedRun(config, run_dir, "embedding") as tracked:

@@ -32,7 +32,7 @@ from twinkle_core.config.fields import (AdapterFields, BackendFields, BatchingFi
                                         DataParallelFields, DatasetId, DataSourceFields, EvalDatasetId, EvalFields,
                                         ExperimentName, LoopFields, MachinesFields, ModelParallelFields,
                                         OptimizerFields, PackedChatDataFields, ProcessFields, RegisteredModelName,
-                                        RouterAuxLossCoef, RunFields, Streaming, VisionFields)
+                                        RouterAuxLossCoef, RunFields, VisionFields)
 from twinkle_core.data import get_row_format
 from twinkle_core.families import family_before_download
 from twinkle_core.objectives import get_objective
@@ -52,7 +52,6 @@ class SFTConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, 
 
     dataset: DatasetId = DEFAULT_DATASET
     eval_dataset: EvalDatasetId = DEFAULT_EVAL_DATASET
-    streaming: Streaming = False
     router_aux_loss_coef: RouterAuxLossCoef = None
     registered_model_name: RegisteredModelName = None
     experiment_name: ExperimentName = "twinkle-sft"

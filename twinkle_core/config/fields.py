@@ -197,6 +197,7 @@ class DataSourceFields(BaseModel):
 
     dataset: DatasetId
     eval_dataset: EvalDatasetId
+    streaming: Streaming = False
 
 
 class BackendFields(BaseModel):

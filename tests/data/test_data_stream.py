@@ -130,21 +130,24 @@ def test_each_rank_reads_only_its_own_rows():
     assert sorted(i for rank in seen for batch in seen[rank] for i in batch) == list(range(10))
 
 
-def test_a_streamed_file_encodes_as_the_file_does(tmp_path, model_dirs, monkeypatch):
+@pytest.mark.parametrize("name,kind", [("self_cognition", "chat"), ("preference", "preference"),
+                                       ("arithmetic", "prompts"), ("retrieval", "pairs")])
+def test_a_streamed_file_encodes_as_the_file_does(name, kind, tmp_path, model_dirs, monkeypatch):
+    """Every flow's row kind (sft chat, dpo preference, grpo prompts, embedding pairs) streams."""
     import pyarrow.parquet as pq
 
     from twinkle_core.hub import HubError
     from twinkle_core.hub.streaming import open_stream
 
-    rows = [json.loads(line) for line in (BUNDLED / "self_cognition" / "train.jsonl").read_text().splitlines()]
-    path = tmp_path / "chats.parquet"
+    rows = [json.loads(line) for line in (BUNDLED / name / "train.jsonl").read_text().splitlines()]
+    path = tmp_path / "rows.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     stream = open_stream(str(path))
-    streamed = tokenize_dataset(stream, model_dirs["text"], max_length=512, num_proc=2, chunk_rows=50)
+    streamed = tokenize_dataset(stream, model_dirs["text"], kind=kind, max_length=512, num_proc=2, chunk_rows=50)
     monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path / "another-cache"))  # encode again, not a cache hit
-    from_file = tokenize_dataset(path, model_dirs["text"], max_length=512)
+    from_file = tokenize_dataset(path, model_dirs["text"], kind=kind, max_length=512)
     assert from_file.path != streamed.path and streamed.content_hash == from_file.content_hash  # the same rows, the same cache entry
     assert list(load_tokenized(streamed)) == list(load_tokenized(from_file))
-    assert _digest(load_tokenized(streamed)) == BEFORE["self_cognition/train/chat/False/512"][0]
+    assert _digest(load_tokenized(streamed)) == BEFORE[f"{name}/train/{kind}/False/512"][0]
     with pytest.raises(HubError, match="streaming reads a hub split or one local"):
         open_stream(str(tmp_path))

@@ -36,6 +36,7 @@ from twinkle_core.parallel.process_group import abandon_exit_barrier
 from twinkle_core.perf import StepPerf
 from twinkle_core.tracking import MetricsLogger
 from twinkle_core.train.config import TrainRunConfig
+from twinkle_core.train.prefetch import Prefetcher
 
 logger = logging.getLogger(__name__)
 EVENT_PREFIX = "TWINKLE_EVENT "
@@ -119,10 +120,10 @@ class SFTRecipe:
                                    group_by_length=self.config.group_by_length)
         batches = (self._collate(share) for share in rows)
         steps = self.config.gradient_accumulation_steps
-        if self.objective.embed is None or steps == 1:
-            return batches
-        # contrastive: a step's micro-batches go in together, accumulated exactly through cached embeddings
-        return (list(step) for step in zip(*[batches] * steps))
+        if self.objective.embed is not None and steps > 1:
+            # contrastive: a step's micro-batches go in together, accumulated exactly through cached embeddings
+            batches = (list(step) for step in zip(*[batches] * steps))
+        return Prefetcher(batches)  # the next micro-batches are read and collated while this one trains
 
     def _collate(self, examples: list[dict]) -> dict:
         if getattr(self.model, "padding_free", False):  # the model takes its samples end to end, unpadded
@@ -132,6 +133,14 @@ class SFTRecipe:
     def train(self) -> None:
         cfg, step, started = self.config, self.start_step, time.perf_counter()
         batches = self._batches(skip=step * cfg.gradient_accumulation_steps)
+        try:
+            self._train_steps(batches, step)
+        finally:
+            batches.close()
+        self.train_seconds = time.perf_counter() - started
+
+    def _train_steps(self, batches, step: int) -> None:
+        cfg = self.config
         while step < self.total_steps:
             self.model.forward_backward(inputs=next(batches))
             if not self.model.clip_grad_and_step(max_grad_norm=cfg.max_grad_norm):
@@ -149,7 +158,6 @@ class SFTRecipe:
                 self.metrics.flush()  # the metrics up to the saved step survive a crash too
                 self._save_training_state()
                 emit("training_state", step=step)
-        self.train_seconds = time.perf_counter() - started
 
     def probe_batch(self) -> dict:
         """A fixed batch (the first examples) whose loss fingerprints the trained weights."""

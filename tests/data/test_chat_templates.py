@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import logging
 
+import jinja2
 import pytest
 from tiny_models import CHATML_TEMPLATE, make_tiny_tokenizer
 
@@ -12,6 +14,8 @@ from twinkle_core.data import (
     ChatTemplateError, chat_template_names, encode_chat, encode_prompt, ensure_chat_template, get_chat_template,
     render_chat,
 )
+from twinkle_core.data.messages import normalise_messages
+from twinkle_core.data.templates import PrefixRenderer
 
 QWEN_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 DEEPSEEK = dict(bos_token="<｜begin▁of▁sentence｜>", eos_token="<｜end▁of▁sentence｜>", pad_token="<｜end▁of▁sentence｜>")
@@ -396,6 +400,29 @@ GOLDEN = {
 def test_golden_rendering(name, case):
     messages, kwargs = CASES[case]
     assert render_chat(family_tokenizer(name), messages, **kwargs) == GOLDEN[name, case]
+
+
+@pytest.mark.parametrize("name", chat_template_names())
+def test_prefixes_render_as_apply_chat_template_renders_them(name):
+    """PrefixRenderer runs transformers' preparation once per conversation and renders the compiled template:
+    every prefix must still be what apply_chat_template gives (this fails if a transformers release adds a step)."""
+    tokenizer = family_tokenizer(name)
+    reasoning = [{"role": "user", "content": "Q", "name": None},
+                 {"role": "assistant", "content": "A", "thinking": "Hmm.", "tool_calls": None}]
+    for messages, kwargs in [*CASES.values(), (reasoning, {}), (TOOL_CHAT, {"tools": TOOLS, "enable_thinking": False})]:
+        tools, thinking = kwargs.get("tools"), kwargs.get("enable_thinking", True)
+        messages = normalise_messages(messages, thinking)  # as assistant_spans renders them
+        render = PrefixRenderer(tokenizer, messages, tools, thinking)
+        assert render._steps is not None  # the direct path is the one under test
+        for length, generation in itertools.product(range(1, len(messages) + 1), (False, True)):
+            try:
+                expected = tokenizer.apply_chat_template(messages[:length], tools=tools, tokenize=False,
+                                                         add_generation_prompt=generation, enable_thinking=thinking)
+            except jinja2.TemplateError:
+                with pytest.raises(ChatTemplateError):
+                    render(length, generation)
+                continue
+            assert render(length, generation) == expected, (messages[:length], generation)
 
 
 def test_every_template_has_goldens_and_the_registry_lists_them():

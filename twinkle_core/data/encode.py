@@ -6,21 +6,20 @@ import itertools
 import numpy as np
 import torch
 
+from .errors import ChatTemplateError, RowError
 from .spans import assistant_spans
 from .templates import render_chat
 
 IGNORE_INDEX = -100
+_IDS_ONLY = {"return_attention_mask": False, "return_token_type_ids": False}  # lists nobody reads, per token
 
 
-def _tokenize_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+def _check_fast(tokenizer) -> None:
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(
             f"tokenizer {tokenizer.name_or_path!r} is a slow (Python) tokenizer; label masking needs character "
             "offsets, which only fast tokenizers give: load it with use_fast=True or ship a tokenizer.json"
         )
-    # The template already writes BOS and friends; add_special_tokens=True would add BOS a second time.
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return list(encoded["input_ids"]), [tuple(pair) for pair in encoded["offset_mapping"]]
 
 
 def truncate(example: dict, max_length: int | None) -> dict:
@@ -39,9 +38,36 @@ def encode_chat(
     `tools` (JSON schemas) go to the chat template; enable_thinking=False trains replies without their reasoning,
     in the template's non-thinking form.
     """
-    text, spans = assistant_spans(tokenizer, messages, tools=tools, enable_thinking=enable_thinking)
-    input_ids, offsets = _tokenize_with_offsets(tokenizer, text)
-    return truncate({"input_ids": input_ids, "labels": _reply_labels(input_ids, offsets, spans)}, max_length)
+    example = encode_chats(tokenizer, [(messages, tools)], enable_thinking)[0]
+    if isinstance(example, Exception):
+        raise example
+    return truncate(example, max_length)
+
+
+def encode_chats(
+    tokenizer, chats: list[tuple[list[dict], list[dict] | None]], enable_thinking: bool = True,
+) -> list[dict | ChatTemplateError | RowError]:
+    """encode_chat (untruncated) of each (messages, tools), tokenised in one batched call: a tokenizer call
+    costs more per text alone than in a batch. A conversation the template cannot render gives its error in
+    its place, so it costs only its own row."""
+    rendered: list = []
+    for messages, tools in chats:
+        try:
+            rendered.append(assistant_spans(tokenizer, messages, tools=tools, enable_thinking=enable_thinking))
+        except (ChatTemplateError, RowError) as error:
+            rendered.append(error)
+    texts = [text for text, _ in (item for item in rendered if not isinstance(item, Exception))]
+    if not texts:
+        return rendered
+    _check_fast(tokenizer)
+    # The template already writes BOS and friends; add_special_tokens=True would add BOS a second time.
+    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, **_IDS_ONLY)
+    tokenized = zip(encoded["input_ids"], encoded["offset_mapping"])
+    return [item if isinstance(item, Exception) else _labelled(*next(tokenized), item[1]) for item in rendered]
+
+
+def _labelled(input_ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> dict:
+    return {"input_ids": input_ids, "labels": _reply_labels(input_ids, offsets, spans)}
 
 
 def _reply_labels(input_ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
@@ -72,11 +98,12 @@ def encode_texts(tokenizer, texts: list[str]) -> list[dict]:
         raise ValueError(
             f"tokenizer {tokenizer.name_or_path!r} has no eos_token; set eos_token in tokenizer_config.json"
         )
-    examples = []
-    for input_ids in tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else []:
+    eos, examples = tokenizer.eos_token_id, []  # a property that costs more than a short row's own work
+    encoded = tokenizer(texts, add_special_tokens=True, **_IDS_ONLY)["input_ids"] if texts else []
+    for input_ids in encoded:
         input_ids = list(input_ids)
-        if not input_ids or input_ids[-1] != tokenizer.eos_token_id:
-            input_ids.append(tokenizer.eos_token_id)
+        if not input_ids or input_ids[-1] != eos:
+            input_ids.append(eos)
         examples.append({"input_ids": input_ids, "labels": list(input_ids)})
     return examples
 

@@ -18,7 +18,7 @@ from .vision_collate import collate_vision, pack_vision_examples, truncate_visio
 from .vision_encode import encode_vision_prompt, encode_vision_row, load_vision_processor
 from .vision_rows import validate_vision_row
 from .collate import collate, collate_padding_free
-from .encode import count_trained_tokens, encode_chat, encode_text, encode_texts, truncate
+from .encode import count_trained_tokens, encode_chat, encode_chats, encode_text, encode_texts, truncate
 from .packing import pack_examples
 from .validate import validate_chat_row, validate_text_row
 
@@ -41,8 +41,8 @@ class RowFormat:
     kind: str
     validate: Callable[[Any], dict]
     encode: Callable[..., dict | list[dict]]
-    # (encoder, rows, enable_thinking=..., **options) -> encode() of each row, in one batched tokenizer call; for
-    # kinds whose encoding cannot fail on one row (a failing row must not cost the others). None: row by row.
+    # (encoder, rows, enable_thinking=..., **options) -> encode() of each row, in one batched tokenizer call; a row
+    # that cannot be encoded gives its RowError (or ChatTemplateError) in its place. None: row by row.
     encode_batch: Callable[..., list] | None = None
     needs_chat_template: bool = True  # its rows are rendered with the tokenizer's chat template
     truncate: Callable[[dict, int], dict] = truncate
@@ -93,6 +93,10 @@ def _encode_chat_row(tokenizer, row: dict, enable_thinking: bool = True) -> dict
     return encode_chat(tokenizer, row["messages"], tools=row.get("tools"), enable_thinking=enable_thinking)
 
 
+def _encode_chat_rows(tokenizer, rows: list[dict], enable_thinking: bool = True) -> list:
+    return encode_chats(tokenizer, [(row["messages"], row.get("tools")) for row in rows], enable_thinking)
+
+
 def _encode_text_row(tokenizer, row: dict, enable_thinking: bool = True) -> dict:
     return encode_text(tokenizer, row["text"])
 
@@ -101,7 +105,7 @@ def _encode_text_rows(tokenizer, rows: list[dict], enable_thinking: bool = True)
     return encode_texts(tokenizer, [row["text"] for row in rows])
 
 
-register_row_format(RowFormat("chat", validate_chat_row, _encode_chat_row))
+register_row_format(RowFormat("chat", validate_chat_row, _encode_chat_row, encode_batch=_encode_chat_rows))
 register_row_format(RowFormat("text", validate_text_row, _encode_text_row, encode_batch=_encode_text_rows,
                               needs_chat_template=False))
 register_row_format(RowFormat(

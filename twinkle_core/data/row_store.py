@@ -45,10 +45,17 @@ def _flat(value):
 def record_batch(rows: list[dict]) -> pa.RecordBatch:
     """The rows (dicts with the same keys) as one Arrow record batch, typed by column_type."""
     names = list(rows[0])
-    arrays = []
+    arrays, built = [], []
     for name in names:
         values = [_flat(row[name]) for row in rows]
-        arrays.append(pa.array(values, type=column_type(name, values)))
+        kind = column_type(name, values)
+        # A column equal to an earlier one (a text row's labels are its input_ids) reuses its array: the same
+        # data, converted once.
+        array = next((array for earlier, array in built if array.type == kind and earlier == values), None)
+        if array is None:
+            array = pa.array(values, type=kind)
+            built.append((values, array))
+        arrays.append(array)
     return pa.record_batch(arrays, names=names)
 
 

@@ -6,14 +6,16 @@ from dataclasses import dataclass
 
 from .errors import ChatTemplateError
 from .messages import THINK_CLOSE, normalise_messages
-from .templates import render_messages, template_owner, warn_once
+from .templates import PrefixRenderer, template_owner, warn_once
 
 
 @dataclass(frozen=True)
 class _Turn:
-    """Reply messages[i] as rendered when it is the last message: the generation `prompt` before it, the
-    reasoning block `lead` (templates drop it from earlier turns) and the `tail` (content, tool calls, marker)."""
+    """Reply messages[index] as rendered when it is the last message: `prompt` (the conversation before it with
+    the generation prompt), the reasoning block `lead` (templates drop it from earlier turns) and the `tail`
+    (content, tool calls, marker)."""
 
+    index: int
     prompt: str
     lead: str
     tail: str
@@ -32,9 +34,9 @@ def assistant_spans(
     conversation up to a reply only shows what that reply looks like.
     """
     messages = normalise_messages(messages, enable_thinking)
-    render = _PrefixRenderer(functools.partial(render_messages, tokenizer, tools=tools, enable_thinking=enable_thinking),
-                             messages)
-    text = render(messages)
+    # The last reply's turn is the whole conversation, rendered here once: a one-turn row renders twice.
+    render = PrefixRenderer(tokenizer, messages, tools, enable_thinking)
+    text = render(len(messages))
     specials = _special_tokens(tokenizer)
     spans: list[tuple[int, int]] = []
     cursor = 0  # everything before it belongs to earlier messages
@@ -49,32 +51,17 @@ def assistant_spans(
         turn = _render_turn(tokenizer, render, messages, index)
         if turn is None:
             continue
-        start, end = _locate(tokenizer, text, turn, cursor, index)
+        start, end = _locate(tokenizer, text, turn, cursor, functools.partial(render, index))
         text, end = _close_turn(tokenizer, text, turn.tail, end, specials)
         spans.append((start, end))
         cursor = end
     return text, spans
 
 
-class _PrefixRenderer:
-    """Renders prefixes of one conversation, each (length, generation prompt) once: the last reply's turn is
-    the whole conversation, which assistant_spans has rendered already (a quarter of a one-turn row's work)."""
-
-    def __init__(self, render, messages: list[dict]):
-        self.render, self.messages, self.done = render, messages, {}
-
-    def __call__(self, prefix: list[dict], add_generation_prompt: bool = False) -> str:
-        key = (len(prefix), add_generation_prompt)
-        if key not in self.done:  # every prefix is a slice of self.messages, so its length names it
-            self.done[key] = self.render(prefix, add_generation_prompt=add_generation_prompt)
-        return self.done[key]
-
-
 def _render_turn(tokenizer, render, messages: list[dict], index: int) -> _Turn | None:
     """What reply `index` looks like; None when the template writes nothing for it."""
-    history = render(messages[:index])
-    prompt = render(messages[:index], add_generation_prompt=True)
-    whole = render(messages[: index + 1])
+    prompt = render(index, add_generation_prompt=True)
+    whole = render(index + 1)
     if not whole.startswith(prompt):
         raise ChatTemplateError(
             f"the chat template of {template_owner(tokenizer)} is not prefix-stable: messages[:{index}] rendered "
@@ -91,7 +78,7 @@ def _render_turn(tokenizer, render, messages: list[dict], index: int) -> _Turn |
         warn_once(f"the chat template of {template_owner(tokenizer)} does not render reasoning_content; "
                   "the replies' reasoning is not trained")
     lead, tail = _split_reasoning(reply, message["content"].strip())
-    return _Turn(prompt[len(history):] if prompt.startswith(history) else "", lead, tail)
+    return _Turn(index, prompt, lead, tail)
 
 
 def _split_reasoning(reply: str, content: str) -> tuple[str, str]:
@@ -106,18 +93,21 @@ def _split_reasoning(reply: str, content: str) -> tuple[str, str]:
     return reply[:cut], reply[cut:]
 
 
-def _locate(tokenizer, text: str, turn: _Turn, cursor: int, index: int) -> tuple[int, int]:
-    """The span of the reply in `text`: with its reasoning block when the text has it after the generation prompt."""
+def _locate(tokenizer, text: str, turn: _Turn, cursor: int, render_history) -> tuple[int, int]:
+    """The span of the reply in `text`: with its reasoning block when the text has it after the generation prompt
+    (what the prompt adds to `render_history()`, which is rendered only for a reply with reasoning)."""
     at = text.find(turn.tail, cursor)
     if at < 0:
         raise ChatTemplateError(
-            f"the chat template of {template_owner(tokenizer)} renders reply messages[{index}] as "
+            f"the chat template of {template_owner(tokenizer)} renders reply messages[{turn.index}] as "
             f"{turn.tail[:80]!r} when it ends the conversation, but not when later messages follow it; "
             "the template rewrites earlier replies in a way the label masking cannot follow"
         )
-    lead = turn.prompt + turn.lead
-    if turn.lead and at >= len(lead) and text[at - len(lead):at] == lead:
-        return at - len(turn.lead), at + len(turn.tail)
+    if turn.lead:
+        history = render_history()
+        lead = (turn.prompt[len(history):] if turn.prompt.startswith(history) else "") + turn.lead
+        if at >= len(lead) and text[at - len(lead):at] == lead:
+            return at - len(turn.lead), at + len(turn.tail)
     return at, at + len(turn.tail)
 
 

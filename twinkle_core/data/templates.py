@@ -42,20 +42,86 @@ def render_messages(
     enable_thinking: bool = True, chat_template: str | None = None,
 ) -> str:
     """Render already-normalised messages; `chat_template` overrides the tokenizer's own."""
-    template = chat_template
-    if not template and not tokenizer.chat_template:
-        warn_once(f"tokenizer {template_owner(tokenizer)} has no chat_template; using a ChatML default "
-                  "(<|im_start|>role ... <|im_end|>)")
-        template = DEFAULT_CHAT_TEMPLATE
+    return PrefixRenderer(tokenizer, messages, tools, enable_thinking, chat_template)(len(messages),
+                                                                                      add_generation_prompt)
+
+
+class PrefixRenderer:
+    """Renders prefixes of one conversation, as render_messages would, each (length, generation prompt) once.
+
+    apply_chat_template prepares the messages for the template (None keys dropped, plain copies, reasoning
+    aliases) at every call, a third of a short render. For a tokenizer with the stock apply_chat_template, this
+    runs transformers' own steps once for the whole conversation (each works message by message, so a prefix of
+    the result is the result for the prefix) and renders the compiled template as apply_chat_template does.
+    """
+
+    def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
+                 chat_template: str | None = None):
+        self.tokenizer, self.messages, self.enable_thinking = tokenizer, messages, enable_thinking
+        self.tools, self.template = tools or None, chat_template
+        if not chat_template and not tokenizer.chat_template:
+            warn_once(f"tokenizer {template_owner(tokenizer)} has no chat_template; using a ChatML default "
+                      "(<|im_start|>role ... <|im_end|>)")
+            self.template = DEFAULT_CHAT_TEMPLATE
+        self.done: dict[tuple[int, bool], str] = {}
+        self._steps = _template_steps(tokenizer, messages, self.tools)
+        self._direct = None  # (compiled template, messages, variables, tools), prepared by the first render
+
+    def __call__(self, length: int, add_generation_prompt: bool = False) -> str:
+        key = (length, add_generation_prompt)
+        if key not in self.done:
+            try:
+                self.done[key] = self._render(length, add_generation_prompt)
+            except jinja2.TemplateError as error:
+                raise ChatTemplateError(
+                    f"the chat template of {template_owner(self.tokenizer)} cannot render this conversation: {error}"
+                ) from None
+        return self.done[key]
+
+    def _render(self, length: int, add_generation_prompt: bool) -> str:
+        steps = self._steps if length else None
+        if steps is None:  # anything else (an empty prefix raises there) goes through apply_chat_template itself
+            return self.tokenizer.apply_chat_template(
+                self.messages[:length], tools=self.tools, chat_template=self.template,
+                add_generation_prompt=add_generation_prompt, tokenize=False, enable_thinking=self.enable_thinking,
+            )
+        if self._direct is None:  # what apply_chat_template and render_jinja_template do before rendering
+            template = self.tokenizer.get_chat_template(self.template, self.tools)
+            variables = {**self.tokenizer.special_tokens_map, "enable_thinking": self.enable_thinking}
+            messages = steps._alias_reasoning_fields(steps._plain_template_data(
+                steps._normalize_chat_messages(self.messages)))
+            self._direct = (steps._compile_jinja_template(template), messages, steps._plain_template_data(variables),
+                            steps._plain_template_data(self.tools))
+        compiled, messages, variables, tools = self._direct
+        return compiled.render(messages=messages[:length], tools=tools, documents=None,
+                               add_generation_prompt=add_generation_prompt, **variables)
+
+
+_STEPS = ("_normalize_chat_messages", "_plain_template_data", "_alias_reasoning_fields", "_compile_jinja_template")
+
+
+@functools.cache
+def _transformers_steps():
+    """transformers' chat_template_utils and its stock apply_chat_template; None where a version lacks a step."""
     try:
-        return tokenizer.apply_chat_template(
-            messages, tools=tools or None, chat_template=template, add_generation_prompt=add_generation_prompt,
-            tokenize=False, enable_thinking=enable_thinking,
-        )
-    except jinja2.TemplateError as error:
-        raise ChatTemplateError(
-            f"the chat template of {template_owner(tokenizer)} cannot render this conversation: {error}"
-        ) from None
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.utils import chat_template_utils
+    except ImportError:
+        return None
+    if not all(hasattr(chat_template_utils, name) for name in _STEPS):
+        return None
+    return chat_template_utils, PreTrainedTokenizerBase.apply_chat_template
+
+
+def _template_steps(tokenizer, messages, tools):
+    """transformers' template steps where rendering them here equals apply_chat_template: the stock method, one
+    conversation of dict messages, tools as JSON schemas (not functions to describe)."""
+    found = _transformers_steps()
+    if (found is None or getattr(tokenizer.apply_chat_template, "__func__", None) is not found[1]
+            or not isinstance(messages, list) or not messages or not isinstance(messages[0], dict)
+            or not all(isinstance(tool, dict) for tool in tools or ())):
+        return None
+    return found[0]
 
 
 def render_chat(

@@ -111,7 +111,11 @@ def _encoded_rows(spec: EncodeSpec, encoder, rows: list[tuple[int, dict]], out: 
     if row_format.encode_batch is not None:
         encoded = row_format.encode_batch(encoder, [row for _, row in rows], enable_thinking=spec.enable_thinking,
                                           **options)
-        yield from zip((line for line, _ in rows), encoded)
+        for (line, _), example in zip(rows, encoded):
+            if isinstance(example, (ChatTemplateError, RowError)):
+                out.bad.append(BadRow(spec.dataset_path, line, str(example)))
+            else:
+                yield line, example
         return
     for line, row in rows:
         try:

@@ -154,3 +154,22 @@ def test_text_rows_train_every_token_and_end_with_eos(tokenizer):
     assert tokenizer.decode(encoded["input_ids"]) == "The capital of France is Paris.<|im_end|>"
     cut = encode_text(tokenizer, "The capital of France is Paris.", max_length=3)
     assert cut["input_ids"] == encoded["input_ids"][:3] == cut["labels"]
+
+
+def test_reply_labels_from_the_span_ends_equal_every_tokens_offsets(tokenizer):
+    """encode_chats labels a reply through the tokens at its two ends (char_to_token, widened over byte-level
+    tokens that share a character); every token's offsets (_reply_labels) give the same labels for any spans,
+    over text with multi-byte characters that byte-level BPE splits into several tokens."""
+    import random
+
+    from twinkle_core.data.encode import _labelled, _reply_labels
+
+    text = "Héllo wörld ✨ 你好，世界 🎉🎉 ok<|im_end|>\n<|im_start|>assistant\nÇa va? 🙂 日本語<|im_end|>"
+    encoding = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+    assert len(encoding.ids) > len(text.encode()) // 4  # multi-byte characters are split
+    rng = random.Random(0)
+    for _ in range(400):
+        cuts = sorted(rng.sample(range(len(text) + 1), 2 * rng.randint(1, 3)))
+        spans = [(a, b) for a, b in zip(cuts[0::2], cuts[1::2]) if b > a]
+        want = _reply_labels(encoding.ids, encoding.offsets, spans)
+        assert _labelled(encoding, spans)["labels"] == want, spans

@@ -60,14 +60,41 @@ def encode_chats(
     if not texts:
         return rendered
     _check_fast(tokenizer)
-    # The template already writes BOS and friends; add_special_tokens=True would add BOS a second time.
-    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, **_IDS_ONLY)
-    tokenized = zip(encoded["input_ids"], encoded["offset_mapping"])
-    return [item if isinstance(item, Exception) else _labelled(*next(tokenized), item[1]) for item in rendered]
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is not None or backend.padding is not None:  # settings only the wrapper call resets
+        tokenizer(texts[:1], add_special_tokens=False, **_IDS_ONLY)
+    # The template already writes BOS and friends; add_special_tokens=True would add BOS a second time. The
+    # backend's own batch call: the wrapper would turn every token's offsets into Python, where the labels need
+    # only the tokens at each reply's two ends.
+    encodings = iter(backend.encode_batch(texts, add_special_tokens=False))
+    return [item if isinstance(item, Exception) else _labelled(next(encodings), item[1]) for item in rendered]
 
 
-def _labelled(input_ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> dict:
-    return {"input_ids": input_ids, "labels": _reply_labels(input_ids, offsets, spans)}
+def _labelled(encoding, spans: list[tuple[int, int]]) -> dict:
+    input_ids = encoding.ids
+    labels = [IGNORE_INDEX] * len(input_ids)
+    for start, end in spans:
+        first, last = _span_tokens(encoding, start, end, len(input_ids))
+        if first is None:  # a reply end falls on no token (normalised away): every token's offsets decide
+            return {"input_ids": input_ids, "labels": _reply_labels(input_ids, encoding.offsets, spans)}
+        labels[first:last + 1] = input_ids[first:last + 1]
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def _span_tokens(encoding, start: int, end: int, count: int) -> tuple[int | None, int | None]:
+    """The first and last token overlapping characters [start, end) (a token straddling either end is in): the
+    tokens holding the span's first and last character, widened over neighbours whose offsets still overlap
+    (several byte-level tokens share one character; a token without characters stops the widening)."""
+    if end <= start:
+        return None, None
+    first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
+    if first is None or last is None or first > last:
+        return None, None
+    while first > 0 and (encoding.token_to_chars(first - 1) or (0, 0))[1] > start:
+        first -= 1
+    while last + 1 < count and (encoding.token_to_chars(last + 1) or (end, end))[0] < end:
+        last += 1
+    return first, last
 
 
 def _reply_labels(input_ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:

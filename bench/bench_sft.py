@@ -6,8 +6,9 @@
 
 Every trainer trains the same LoRA (r=8, alpha 32, dropout 0, every linear layer but the output layer) on the
 default model (SmolLM2-135M-Instruct, converted once into a cached HF folder; every side loads that folder)
-in bf16 autocast with the frozen base stored in bf16 and the adapter in fp32 (PEFT's default for a bf16 base;
-trl casts its adapter to bf16, its own choice), AdamW (fused, lr 1e-3, no weight decay, constant), clip 1.0,
+in `--precision` (auto: bf16 autocast where the CPU computes bf16 natively, AVX512-BF16 or AMX, with the frozen base
+stored in bf16 and the adapter in fp32, PEFT's default for a bf16 base, trl casting its adapter to bf16, its own
+choice; fp32 elsewhere, as the flows' `mixed_precision="auto"` does), AdamW (fused, lr 1e-3, no weight decay, constant), clip 1.0,
 batches of 8 rows, assistant-only labels. The rows are our tokenisation of the data (the same token ids and
 labels on every side), in our seeded order (seed 42), fed in that order (`train_sampling_strategy=
 "sequential"`), so the three see the very same batches:
@@ -103,7 +104,7 @@ def run_ours(model_dir: str, batches: list[list[dict]], args) -> dict:
     from twinkle_core.data import collate, collate_padding_free
     from twinkle_core.models import TransformersModel
 
-    model = TransformersModel(model_dir, mixed_precision="bf16")
+    model = TransformersModel(model_dir, mixed_precision="bf16" if args.precision == "bf16" else "no")
     model.add_adapter_to_model("default", LoraConfig(**LORA))
     model.set_optimizer("AdamW", lr=LR, weight_decay=0.0)
     pad = model.tokenizer.pad_token_id
@@ -139,9 +140,10 @@ def run_hf(model_dir: str, batches: list[list[dict]], args, trl_mode: str | None
 
     rows = [row for batch in batches for row in batch]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    bf16 = args.precision == "bf16"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
     common = dict(per_device_train_batch_size=args.batch_size, learning_rate=LR, lr_scheduler_type="constant",
-                  warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch_fused", weight_decay=0.0, bf16=True,
+                  warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch_fused", weight_decay=0.0, bf16=bf16,
                   use_cpu=not torch.cuda.is_available(), report_to="none", save_strategy="no", eval_strategy="no",
                   logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
                   train_sampling_strategy="sequential", num_train_epochs=1)
@@ -199,7 +201,7 @@ def run_child(trainer: str, data: Path, steps: int | None, args) -> dict:
     from twinkle_core.launch import cpu_allocator_env
 
     cmd = [sys.executable, __file__, "--one", trainer, "--data", str(data), "--model-id", args.model_id,
-           "--batch-size", str(args.batch_size), "--max-length", str(args.max_length)]
+           "--batch-size", str(args.batch_size), "--max-length", str(args.max_length), "--precision", args.precision]
     cmd += ["--steps", str(steps)] if steps else []
     # Every trainer runs with the allocator settings our launcher gives CPU workers (twinkle_core.launch), so the
     # ratios come from the training code alone.
@@ -236,10 +238,16 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                        help="auto: bf16 where the CPU computes it natively (AVX512-BF16/AMX), else fp32 (the flows' auto)")
     parser.add_argument("--one", choices=TRAINERS, help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.precision == "auto":
+        from twinkle_core.precision import native_bf16
+
+        args.precision = "bf16" if native_bf16("cpu") else "fp32"
     if args.one:
         one(args)
         return 0
@@ -249,7 +257,7 @@ def main() -> int:
     from twinkle_core.perf import measured_matmul_flops
 
     model_dir = str(resolve_model(args.model_id).path)
-    peak = measured_matmul_flops(torch.device("cpu"), torch.bfloat16)
+    peak = measured_matmul_flops(torch.device("cpu"), torch.bfloat16 if args.precision == "bf16" else torch.float32)
     trainers = args.trainers.split(",")
     work = Path(tempfile.mkdtemp(prefix="bench-sft-data-"))
     sets = {"bundled": (BUNDLED, None),
@@ -269,7 +277,7 @@ def main() -> int:
         hf = statistics.median(r["tokens_per_s"] for r in runs["hf"]) if "hf" in runs else None
         seq_len = round(statistics.median(r["real_row_tokens"] for r in runs[trainers[0]]))  # attention's share
         print(f"\n{name}: batch {args.batch_size}, {runs[trainers[0]][0]['steps']} steps (first one not measured), "
-              f"median of {args.repeats} (min-max), bf16 matmul peak {peak / 1e12:.2f} TFLOP/s")
+              f"median of {args.repeats} (min-max), {args.precision}, matmul peak {peak / 1e12:.2f} TFLOP/s")
         print("| trainer | trained tokens/s | vs HF Trainer | real tokens/s | MFU | peak RSS MB | loss first -> last |")
         print("|---|---|---|---|---|---|---|")
         for trainer, rs in runs.items():

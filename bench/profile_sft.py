@@ -44,13 +44,15 @@ def instrument(model, phases: Phases) -> None:
     """Time the decoder and the head + loss inside the objective, and the optimizer step, without changing them."""
     import twinkle_core.objectives.causal_lm as causal_lm
 
-    original = causal_lm.trained_logits
+    def timed(name: str, function):
+        def run(*args, **kwargs):
+            with phases(name):
+                return function(*args, **kwargs)
+        return run
 
-    def timed_trained_logits(*args, **kwargs):
-        with phases("forward (decoder + head)"):
-            return original(*args, **kwargs)
-
-    causal_lm.trained_logits = timed_trained_logits
+    causal_lm.trained_hidden = timed("forward (decoder)", causal_lm.trained_hidden)
+    causal_lm.linear_cross_entropy_sum = timed("output layer + cross-entropy (chunked)",
+                                               causal_lm.linear_cross_entropy_sum)
     ce = causal_lm.F.cross_entropy
 
     class TimedF:

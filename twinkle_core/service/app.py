@@ -1,0 +1,364 @@
+"""The HTTP side of the training service: the Tinker API routes the official `tinker` SDK calls.
+
+Everything a key creates (sessions, training models, futures) belongs to that key: another key gets 404,
+as if it did not exist. Calls that start model work return a future at once (`UntypedAPIFuture`); the
+client polls `retrieve_future`, which waits up to `POLL_WAIT_S` for the result before answering
+`try_again`. Request bodies are parsed with the SDK's own pydantic types and protobuf messages.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import pydantic
+import zstandard
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from tinker import types
+
+from twinkle_core.service.engine import TinkerEngine
+from twinkle_core.service.runner import FORWARD_BACKWARD, EngineRunner, Job
+from twinkle_core.service.wire import WireError, decode_forward_backward, encode_forward_backward
+
+logger = logging.getLogger(__name__)
+
+API = "/api/v1"
+POLL_WAIT_S = 20.0
+PROTO = "application/x-protobuf"
+KEY_PREFIX = "tml-"  # the SDK refuses other keys before sending anything
+
+
+@dataclass
+class ServiceConfig:
+    model_id: str
+    model_name: str  # what clients pass as base_model and what get_tokenizer resolves
+    tokenizer_id: str | None = None
+    max_tenants: int = 8
+    max_lora_rank: int = 64
+    max_length: int = 4096
+    max_request_bytes: int = 64 << 20
+    session_timeout_s: float = 120.0  # the SDK heartbeats every 10 s
+    api_keys: frozenset[str] | None = None  # None: any key of the SDK's form, each its own namespace
+    mixed_precision: str = "auto"
+
+
+@dataclass
+class Session:
+    key: str
+    last_seen: float
+    models: set[str] = field(default_factory=set)
+
+
+@dataclass
+class TrainingModel:
+    key: str
+    session_id: str
+    rank: int
+
+
+@dataclass
+class Pending:
+    key: str
+    future: asyncio.Future
+
+
+class ApiError(HTTPException):
+    """A 4xx with a message; the SDK must not retry it."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(status, detail=message, headers={"x-should-retry": "false"})
+
+
+class Service:
+    def __init__(self, config: ServiceConfig, runner: EngineRunner):
+        self.config, self.runner = config, runner
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, TrainingModel] = {}
+        self.futures: dict[str, Pending] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ----- identity and ownership ------------------------------------------------------------------
+    def key(self, request: Request) -> str:
+        key = request.headers.get("x-api-key") or ""
+        if not key.startswith(KEY_PREFIX) or (self.config.api_keys is not None and key not in self.config.api_keys):
+            raise ApiError(401, "missing or unknown API key (send X-API-Key: tml-...; the SDK reads TINKER_API_KEY)")
+        return key
+
+    def session(self, key: str, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None or session.key != key:
+            raise ApiError(404, f"session {session_id!r} not found")
+        session.last_seen = time.monotonic()
+        return session
+
+    def model(self, key: str, model_id: str) -> TrainingModel:
+        model = self.models.get(model_id)
+        if model is None or model.key != key:
+            raise ApiError(404, f"model {model_id!r} not found")
+        self.sessions[model.session_id].last_seen = time.monotonic()
+        return model
+
+    # ----- futures ---------------------------------------------------------------------------------
+    def submit(self, key: str, kind: str, model_id: str, args, on_result=None) -> dict:
+        request_id = uuid.uuid4().hex
+        future = self.loop.create_future()
+        self.futures[request_id] = Pending(key, future)
+
+        def done(result, error, category):  # on the engine thread
+            self.loop.call_soon_threadsafe(self._complete, future, result, error, category, on_result)
+
+        self.runner.submit(Job(kind, model_id, args, done))
+        return {"request_id": request_id, "model_id": model_id}
+
+    @staticmethod
+    def _complete(future, result, error, category, on_result) -> None:
+        if on_result is not None:
+            result = on_result(result, error)
+        if not future.done():
+            future.set_result((result, error, category))
+
+    async def retrieve(self, key: str, request_id: str) -> Response:
+        pending = self.futures.get(request_id)
+        if pending is None or pending.key != key:
+            raise ApiError(404, f"future {request_id!r} not found")
+        try:
+            result, error, category = await asyncio.wait_for(asyncio.shield(pending.future), POLL_WAIT_S)
+        except asyncio.TimeoutError:
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        if error is not None:
+            return JSONResponse({"error": error, "category": category or "unknown"})
+        if isinstance(result, bytes):
+            return Response(result, media_type=PROTO)
+        return JSONResponse(result)
+
+    # ----- sessions --------------------------------------------------------------------------------
+    def end_session(self, session_id: str) -> None:
+        session = self.sessions.pop(session_id, None)
+        for model_id in sorted(session.models) if session else ():
+            self.models.pop(model_id, None)
+            self.runner.submit(Job("remove", model_id, {"name": model_id}, lambda *a: None))
+
+    async def reap(self) -> None:
+        """End sessions whose client stopped heartbeating: their adapters free their slots."""
+        while True:
+            await asyncio.sleep(min(10.0, self.config.session_timeout_s / 2))
+            now = time.monotonic()
+            for session_id, session in list(self.sessions.items()):
+                if now - session.last_seen > self.config.session_timeout_s:
+                    logger.info("session %s timed out; releasing %d model(s)", session_id, len(session.models))
+                    self.end_session(session_id)
+
+
+def _parse(model: type, body: dict):
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as exc:
+        raise ApiError(400, f"malformed {model.__name__}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
+
+
+async def _json(request: Request, limit: int) -> dict:
+    body = await _body(request, limit)
+    try:
+        import json
+
+        data = json.loads(body or b"{}")
+    except ValueError as exc:
+        raise ApiError(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return data
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body of {declared} bytes is over this server's limit of {limit} bytes")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body is over this server's limit of {limit} bytes")
+    if request.headers.get("content-encoding") == "zstd":
+        try:
+            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=limit)
+        except zstandard.ZstdError as exc:
+            raise ApiError(400, f"the zstd body does not decompress within {limit} bytes: {exc}") from None
+    return body
+
+
+def _unsupported(name: str):
+    async def handler(request: Request):
+        raise ApiError(400, f"{name} is not supported by this server yet")
+    return handler
+
+
+UNSUPPORTED = ("save_weights", "load_weights", "save_weights_for_sampler", "save_weights_external",
+               "create_sampling_session", "join_sampling_session", "asample", "create_custom_loss",
+               "copy_weights", "cancel_future", "unload_model", "retrieve_futures")
+
+
+def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> FastAPI:
+    """The ASGI app; `runner` defaults to a TinkerEngine loading `config.model_id` in this process."""
+    runner = runner or EngineRunner(lambda: TinkerEngine(config.model_id, config.max_tenants, config.max_lora_rank,
+                                                         config.max_length, config.mixed_precision))
+    service = Service(config, runner)
+    app = FastAPI(title="Twinkle training service (Tinker API)")
+    app.state.service = service
+    limit = config.max_request_bytes
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        service.loop = asyncio.get_running_loop()
+        app.state.reaper = asyncio.create_task(service.reap())
+
+    @app.on_event("shutdown")
+    async def _stop() -> None:
+        app.state.reaper.cancel()
+        runner.stop()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    # ----- no session needed ----------------------------------------------------------------------
+    @app.get(f"{API}/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get(f"{API}/get_server_capabilities")
+    async def capabilities():
+        return {"supported_models": [{"model_name": config.model_name, "max_context_length": config.max_length,
+                                      "trainable": True, "sampleable": False}]}
+
+    @app.post(f"{API}/client/config")
+    async def client_config(request: Request):
+        service.key(request)
+        # Plain API keys, uncompressed serial fwd/bwd chunks (their order is their arrival order), httpx transport.
+        return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": False, "proto_compress_fwdbwd": False,
+                "use_pyqwest_transport": False, "custom_loss_server_side": False,
+                "sample_use_retrieve_futures": False, "sample_join_sampling_session": False}
+
+    @app.post(f"{API}/client/dynamic_config")
+    async def client_dynamic_config(request: Request):
+        service.key(request)
+        return {"sample_cancel_enabled": False}
+
+    @app.post(f"{API}/telemetry")
+    async def telemetry(request: Request):
+        await _body(request, limit)  # accepted and dropped: this server keeps no client telemetry
+        return {"status": "accepted"}
+
+    # ----- sessions -------------------------------------------------------------------------------
+    @app.post(f"{API}/create_session")
+    async def create_session(request: Request):
+        key = service.key(request)
+        _parse(types.CreateSessionRequest, await _json(request, limit))
+        session_id = "s" + secrets.token_hex(8)
+        service.sessions[session_id] = Session(key, time.monotonic())
+        return {"type": "create_session", "session_id": session_id}
+
+    @app.post(f"{API}/session_heartbeat")
+    async def heartbeat(request: Request):
+        key = service.key(request)
+        body = _parse(types.SessionHeartbeatRequest, await _json(request, limit))
+        service.session(key, body.session_id)
+        return {"type": "session_heartbeat"}
+
+    @app.post(f"{API}/sessions/{{session_id}}/finish")
+    async def finish(session_id: str, request: Request):
+        key = service.key(request)
+        service.session(key, session_id)
+        service.end_session(session_id)
+        return {}
+
+    # ----- training models ------------------------------------------------------------------------
+    @app.post(f"{API}/create_model")
+    async def create_model(request: Request):
+        key = service.key(request)
+        body = _parse(types.CreateModelRequest, await _json(request, limit))
+        session = service.session(key, body.session_id)
+        if body.base_model != config.model_name:
+            raise ApiError(400, f"base_model {body.base_model!r} is not served here; this server serves "
+                                f"{config.model_name!r}")
+        if body.lora_config is None:
+            raise ApiError(400, "create_model without lora_config: this server trains LoRA adapters only")
+        if body.optimizer_config.type != "adamw":
+            raise ApiError(400, f"optimizer {body.optimizer_config.type!r} is not supported by this server (adamw)")
+        lora = body.lora_config
+        if lora.rank > config.max_lora_rank or lora.rank < 1:
+            raise ApiError(400, f"lora rank {lora.rank} is outside 1..{config.max_lora_rank} (--max-lora-rank)")
+        if len(service.models) >= config.max_tenants:
+            raise ApiError(400, f"this server holds --max-tenants={config.max_tenants} training models already; "
+                                "try again when a session ends")
+        model_id = "m" + secrets.token_hex(8)
+        service.models[model_id] = TrainingModel(key, body.session_id, lora.rank)
+        session.models.add(model_id)
+
+        def created(result, error):
+            if error is not None:  # the slot was not taken: forget the model
+                service.models.pop(model_id, None)
+                session.models.discard(model_id)
+                return None
+            return {"type": "create_model", "model_id": model_id}
+
+        args = {"name": model_id, "rank": lora.rank, "seed": lora.seed, "train_attn": lora.train_attn,
+                "train_mlp": lora.train_mlp}
+        return service.submit(key, "create", model_id, args, created)
+
+    @app.post(f"{API}/get_info")
+    async def get_info(request: Request):
+        key = service.key(request)
+        body = _parse(types.GetInfoRequest, await _json(request, limit))
+        model = service.model(key, body.model_id)
+        return {"type": "get_info", "model_id": body.model_id, "is_lora": True, "lora_rank": model.rank,
+                "model_name": config.model_name,
+                "model_data": {"model_name": config.model_name, "tokenizer_id": config.tokenizer_id}}
+
+    async def forward_backward(request: Request, forward_only: bool):
+        key = service.key(request)
+        try:
+            parsed = decode_forward_backward(await _body(request, limit), forward_only)
+        except WireError as exc:
+            raise ApiError(400, str(exc)) from None
+        service.model(key, parsed.model_id)
+
+        def encoded(result, error):
+            return None if error is not None else encode_forward_backward(*result)
+
+        return service.submit(key, FORWARD_BACKWARD, parsed.model_id, parsed, encoded)
+
+    @app.post(f"{API}/forward_backward")
+    async def forward_backward_route(request: Request):
+        return await forward_backward(request, False)
+
+    @app.post(f"{API}/forward")
+    async def forward_route(request: Request):
+        return await forward_backward(request, True)
+
+    @app.post(f"{API}/optim_step")
+    async def optim_step(request: Request):
+        key = service.key(request)
+        body = _parse(types.OptimStepRequest, await _json(request, limit))
+        service.model(key, body.model_id)
+        params = body.optim_params
+        if not isinstance(params, types.AdamParams):
+            raise ApiError(400, f"optimizer params of type {getattr(params, 'type', '?')!r}: this server steps AdamW")
+        args = {"name": body.model_id, **params.model_dump(include={"learning_rate", "beta1", "beta2", "eps",
+                                                                    "weight_decay", "grad_clip_norm"})}
+        return service.submit(key, "optim_step", body.model_id, args,
+                              lambda result, error: None if error else {"type": "optim_step", "metrics": result})
+
+    @app.post(f"{API}/retrieve_future")
+    async def retrieve_future(request: Request):
+        key = service.key(request)
+        body = _parse(types.FutureRetrieveRequest, await _json(request, limit))
+        return await service.retrieve(key, body.request_id)
+
+    for name in UNSUPPORTED:
+        app.post(f"{API}/{name}", name=f"unsupported_{name}")(_unsupported(name))
+
+    return app

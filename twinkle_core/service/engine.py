@@ -1,0 +1,177 @@
+"""The model side of the training service: one base model, one LoRA tenant per Tinker training model.
+
+It is driven by plain-data calls (`create`, `remove`, `forward_backward`, `optim_step`), so that the HTTP
+side can run it in its own process. Tinker's semantics, not the flows': a forward_backward adds the
+gradient of the *summed* loss to the tenant's gradients, which accumulate until its optim_step, whose
+Adam settings come with each step.
+
+Several tenants' forward_backward requests run as one padded batch through `MultiLoraTransformersModel`
+(each row routed to its tenant's adapter) and one backward; a tenant's gradient is that of its own rows
+only, so its result does not depend on who else was in the batch.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from peft import LoraConfig
+
+from twinkle_core.errors import UserError
+from twinkle_core.models.lora_routing import RowGroup
+from twinkle_core.models.multi_lora import MultiLoraTransformersModel
+from twinkle_core.service.losses import check_inputs, loss_sum
+from twinkle_core.service.wire import ForwardBackwardIn
+
+LORA_ALPHA = 32  # Tinker's LoRA scale is alpha/rank with a fixed alpha
+
+
+@dataclass
+class Outcome:
+    """What one request came to: a result, or a user error's message (the batch went on without it)."""
+
+    result: object = None
+    error: str | None = None
+
+
+class TinkerEngine:
+    def __init__(self, model_id: str, max_tenants: int = 8, max_rank: int = 64, max_length: int = 4096,
+                 mixed_precision: str = "auto"):
+        self.model = MultiLoraTransformersModel(model_id, mixed_precision, max_loras=max_tenants, max_r=max_rank)
+        self.model.model.eval()  # no dropout: a forward is a function of the weights and the tokens
+        self.max_length = max_length
+        self.vocab_size = int(self.model.model.get_input_embeddings().weight.shape[0])
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+
+    # ----- tenants ---------------------------------------------------------------------------------
+    def create(self, name: str, rank: int, seed: int | None = None, train_attn: bool = True,
+               train_mlp: bool = True) -> None:
+        if not (train_attn and train_mlp):
+            raise UserError("lora_config train_attn/train_mlp=False: this server adapts every attention and MLP "
+                            "linear layer; create the model with both left True")
+        if not isinstance(rank, int) or rank < 1 or rank > self.model.slots.max_r:
+            raise UserError(f"lora rank {rank} is outside 1..{self.model.slots.max_r} (the server's --max-lora-rank)")
+        if len(self.model.slots.tenants) >= self.model.slots.max_loras:
+            raise UserError(f"the server holds --max-tenants={self.model.slots.max_loras} training models already; "
+                            "try again when one is released (its session ends)")
+        # The adapter's initial weights depend on its seed only, never on the tenants created before it.
+        if seed is None:
+            seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            config = LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0)
+            self.model.add_adapter_to_model(name, config)
+        self.model.model.eval()
+        self.optimizers[name] = torch.optim.AdamW(self.model.tenant_parameters(name), lr=1e-4)
+
+    def remove(self, name: str) -> None:
+        if name in self.model.slots:
+            self.model.remove_adapter(name)
+        self.optimizers.pop(name, None)
+
+    # ----- training --------------------------------------------------------------------------------
+    def check(self, request: ForwardBackwardIn) -> None:
+        """Raise a UserError for a request that cannot run; nothing about the model changes."""
+        if request.model_id not in self.model.slots:
+            raise UserError(f"model {request.model_id!r} is not on this server")
+        if not request.data:
+            raise UserError("forward_backward: no data")
+        for i, datum in enumerate(request.data):
+            where = f"datum {i}"
+            n = len(datum.tokens)
+            if n == 0 or n > self.max_length:
+                raise UserError(f"{where}: {n} input tokens; this server takes 1..{self.max_length} per datum "
+                                "(--max-length)")
+            bad = datum.tokens[(datum.tokens < 0) | (datum.tokens >= self.vocab_size)]
+            if bad.size:
+                raise UserError(f"{where}: token id {int(bad[0])} is outside the vocabulary (0..{self.vocab_size - 1})")
+            check_inputs(request.loss_fn, request.config, datum.inputs, n, where)
+            targets = datum.inputs["target_tokens"]
+            if targets.min() < 0 or targets.max() >= self.vocab_size:
+                raise UserError(f"{where}: a target token is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def forward_backward(self, requests: list[ForwardBackwardIn]) -> list[Outcome]:
+        """Run every request that passes `check` in one batch; each gets its outputs and loss, or its error."""
+        outcomes: list[Outcome] = [Outcome() for _ in requests]
+        runnable = []
+        for i, request in enumerate(requests):
+            try:
+                self.check(request)
+                runnable.append(i)
+            except UserError as exc:
+                outcomes[i].error = str(exc)
+        if not runnable:
+            return outcomes
+        # Rows of one tenant together, tenants in slot order (the router takes contiguous row groups).
+        order = [name for name in self.model.slots.names() if any(requests[i].model_id == name for i in runnable)]
+        runnable.sort(key=lambda i: order.index(requests[i].model_id))
+        rows = [(i, datum) for i in runnable for datum in requests[i].data]
+        groups, start = [], 0
+        for name in order:
+            count = sum(len(requests[i].data) for i in runnable if requests[i].model_id == name)
+            groups.append(RowGroup(name, start, start + count))
+            start += count
+        logprobs = self._target_logprobs([d for _, d in rows], groups)
+        total, per_request = None, {i: [] for i in runnable}
+        for (i, datum), row_logprobs in zip(rows, logprobs):
+            request = requests[i]
+            inputs = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in datum.inputs.items() if k != "target_tokens"}
+            loss = loss_sum(request.loss_fn, request.config, row_logprobs, inputs)
+            per_request[i].append((row_logprobs, loss))
+            if not request.forward_only:
+                total = loss if total is None else total + loss
+        if total is not None:
+            total.backward()
+        for i in runnable:
+            outputs = [{"logprobs": lp.detach().float().numpy()} for lp, _ in per_request[i]]
+            outcomes[i].result = (outputs, {"loss:sum": float(sum(float(l.detach()) for _, l in per_request[i]))})
+        return outcomes
+
+    def _target_logprobs(self, data: list, groups: list[RowGroup]) -> list[torch.Tensor]:
+        """Each row's log-probability of its target tokens (shaped like target_tokens), with autograd."""
+        device = self.model.device
+        length = max(len(d.tokens) for d in data)
+        input_ids = torch.zeros(len(data), length, dtype=torch.long)
+        mask = torch.zeros(len(data), length, dtype=torch.long)
+        for r, d in enumerate(data):
+            input_ids[r, :len(d.tokens)] = torch.from_numpy(d.tokens)
+            mask[r, :len(d.tokens)] = 1
+        with self.model.router.route(groups), self.model.precision.autocast(device.type):
+            logits = self.model.model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
+        out = []
+        for r, d in enumerate(data):
+            n = len(d.tokens)
+            row = torch.log_softmax(logits[r, :n].float(), dim=-1)
+            targets = torch.as_tensor(d.inputs["target_tokens"], dtype=torch.long, device=device)
+            gathered = row.gather(-1, targets if targets.ndim == 2 else targets[:, None])
+            out.append(gathered if targets.ndim == 2 else gathered[:, 0])
+        return out
+
+    def optim_step(self, name: str, learning_rate: float, beta1: float, beta2: float, eps: float,
+                   weight_decay: float, grad_clip_norm: float = 0.0) -> dict[str, float]:
+        """One AdamW step of tenant `name` over its accumulated gradients, which it then clears."""
+        if name not in self.optimizers:
+            raise UserError(f"model {name!r} is not on this server")
+        for value, what in ((learning_rate, "learning_rate"), (eps, "eps"), (weight_decay, "weight_decay")):
+            if not math.isfinite(value) or value < 0:
+                raise UserError(f"adam_params.{what}={value} must be a finite number >= 0")
+        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+            raise UserError(f"adam_params beta1={beta1}, beta2={beta2} must be in [0, 1)")
+        optimizer = self.optimizers[name]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        if grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip_norm)
+        for group in optimizer.param_groups:
+            group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm:mean": norm}
+
+    def info(self) -> dict:
+        config = self.model.model.config
+        return {"arch": getattr(config, "model_type", None), "path": str(self.model.path)}
+

@@ -20,8 +20,8 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types
 
-from twinkle_core.service.engine import TinkerEngine
 from twinkle_core.service.runner import FORWARD_BACKWARD, EngineRunner, Job
+from twinkle_core.service.worker import RemoteEngine, WorkerTree
 from twinkle_core.service.wire import WireError, decode_forward_backward, encode_forward_backward
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class ServiceConfig:
     session_timeout_s: float = 120.0  # the SDK heartbeats every 10 s
     api_keys: frozenset[str] | None = None  # None: any key of the SDK's form, each its own namespace
     mixed_precision: str = "auto"
+    nproc_per_node: int = 1  # worker processes holding the model (torchrun beyond one)
 
 
 @dataclass
@@ -202,9 +203,10 @@ UNSUPPORTED = ("save_weights", "load_weights", "save_weights_for_sampler", "save
 
 
 def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> FastAPI:
-    """The ASGI app; `runner` defaults to a TinkerEngine loading `config.model_id` in this process."""
-    runner = runner or EngineRunner(lambda: TinkerEngine(config.model_id, config.max_tenants, config.max_lora_rank,
-                                                         config.max_length, config.mixed_precision))
+    """The ASGI app; `runner` defaults to the engine in a worker tree of `config.nproc_per_node` processes."""
+    runner = runner or EngineRunner(lambda: RemoteEngine(WorkerTree(
+        config.model_id, config.max_tenants, config.max_lora_rank, config.max_length, config.mixed_precision,
+        config.nproc_per_node)))
     service = Service(config, runner)
     app = FastAPI(title="Twinkle training service (Tinker API)")
     app.state.service = service

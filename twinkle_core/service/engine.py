@@ -93,7 +93,11 @@ class TinkerEngine:
                 raise UserError(f"{where}: a target token is outside the vocabulary (0..{self.vocab_size - 1})")
 
     def forward_backward(self, requests: list[ForwardBackwardIn]) -> list[Outcome]:
-        """Run every request that passes `check` in one batch; each gets its outputs and loss, or its error."""
+        """Run every request that passes `check` in one batch; each gets its outputs and loss, or its error.
+
+        Under several processes every rank runs its share of the rows (every world-th row, so each tenant's
+        rows stay contiguous), gradients stay per rank until `optim_step` sums them, and the rows' results
+        are gathered on every rank."""
         outcomes: list[Outcome] = [Outcome() for _ in requests]
         runnable = []
         for i, request in enumerate(requests):
@@ -105,29 +109,51 @@ class TinkerEngine:
         if not runnable:
             return outcomes
         # Rows of one tenant together, tenants in slot order (the router takes contiguous row groups).
-        order = [name for name in self.model.slots.names() if any(requests[i].model_id == name for i in runnable)]
-        runnable.sort(key=lambda i: order.index(requests[i].model_id))
-        rows = [(i, datum) for i in runnable for datum in requests[i].data]
+        order = {name: k for k, name in enumerate(self.model.slots.names())}
+        runnable.sort(key=lambda i: order[requests[i].model_id])
+        rows = [(i, j) for i in runnable for j in range(len(requests[i].data))]
+        rank, world = _rank_and_world()
+        mine = list(range(rank, len(rows), world))
+        local = self._run_rows(requests, [rows[r] for r in mine]) if mine else []
+        results = dict(zip(mine, local))
+        if world > 1:
+            import torch.distributed as dist
+
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, results)
+            results = {k: v for part in gathered for k, v in part.items()}
+        per_request: dict[int, list] = {i: [] for i in runnable}
+        for r, (i, _) in enumerate(rows):
+            per_request[i].append(results[r])
+        for i in runnable:
+            outputs = [{"logprobs": logprobs} for logprobs, _ in per_request[i]]
+            outcomes[i].result = (outputs, {"loss:sum": float(sum(loss for _, loss in per_request[i]))})
+        return outcomes
+
+    def _run_rows(self, requests: list[ForwardBackwardIn], rows: list[tuple[int, int]]) -> list[tuple]:
+        """Forward (and backward, for training requests) of these (request, datum) rows in one pass; each
+        row's target log-probabilities (numpy) and summed loss."""
         groups, start = [], 0
-        for name in order:
-            count = sum(len(requests[i].data) for i in runnable if requests[i].model_id == name)
-            groups.append(RowGroup(name, start, start + count))
-            start += count
-        logprobs = self._target_logprobs([d for _, d in rows], groups)
-        total, per_request = None, {i: [] for i in runnable}
-        for (i, datum), row_logprobs in zip(rows, logprobs):
+        for i, _ in rows:
+            name = requests[i].model_id
+            if groups and groups[-1].adapter == name:
+                groups[-1] = RowGroup(name, groups[-1].start, groups[-1].stop + 1)
+            else:
+                groups.append(RowGroup(name, start, start + 1))
+            start += 1
+        data = [requests[i].data[j] for i, j in rows]
+        logprobs = self._target_logprobs(data, groups)
+        total, out = None, []
+        for (i, _), datum, row_logprobs in zip(rows, data, logprobs):
             request = requests[i]
             inputs = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in datum.inputs.items() if k != "target_tokens"}
             loss = loss_sum(request.loss_fn, request.config, row_logprobs, inputs)
-            per_request[i].append((row_logprobs, loss))
+            out.append((row_logprobs.detach().float().numpy(), float(loss.detach())))
             if not request.forward_only:
                 total = loss if total is None else total + loss
         if total is not None:
             total.backward()
-        for i in runnable:
-            outputs = [{"logprobs": lp.detach().float().numpy()} for lp, _ in per_request[i]]
-            outcomes[i].result = (outputs, {"loss:sum": float(sum(float(l.detach()) for _, l in per_request[i]))})
-        return outcomes
+        return out
 
     def _target_logprobs(self, data: list, groups: list[RowGroup]) -> list[torch.Tensor]:
         """Each row's log-probability of its target tokens (shaped like target_tokens), with autograd."""
@@ -161,6 +187,7 @@ class TinkerEngine:
             raise UserError(f"adam_params beta1={beta1}, beta2={beta2} must be in [0, 1)")
         optimizer = self.optimizers[name]
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        _sum_gradients_over_ranks(params)
         grads = [p.grad for p in params if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
         if grad_clip_norm > 0 and grads:
@@ -175,3 +202,33 @@ class TinkerEngine:
         config = self.model.model.config
         return {"arch": getattr(config, "model_type", None), "path": str(self.model.path)}
 
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _sum_gradients_over_ranks(params: list[torch.nn.Parameter]) -> None:
+    """Each rank holds the gradient of its own rows: their sum is the whole batch's (the losses are sums)."""
+    rank, world = _rank_and_world()
+    if world == 1:
+        return
+    import torch.distributed as dist
+
+    has = torch.tensor([float(any(p.grad is not None for p in params))])
+    dist.all_reduce(has)
+    if not has.item():  # no rows anywhere since the last step: Adam skips gradient-less weights, as alone
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()

@@ -53,6 +53,8 @@ class EngineRunner:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=30)
+        if hasattr(self.engine, "close"):
+            self.engine.close()
 
     def _take(self) -> list[Job] | None:
         with self._wake:

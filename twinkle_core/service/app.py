@@ -8,6 +8,7 @@ client polls `retrieve_future`, which waits up to `POLL_WAIT_S` for the result b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -208,19 +209,18 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
         config.model_id, config.max_tenants, config.max_lora_rank, config.max_length, config.mixed_precision,
         config.nproc_per_node)))
     service = Service(config, runner)
-    app = FastAPI(title="Twinkle training service (Tinker API)")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.loop = asyncio.get_running_loop()
+        reaper = asyncio.create_task(service.reap())
+        yield
+        reaper.cancel()
+        await asyncio.to_thread(runner.stop)
+
+    app = FastAPI(title="Twinkle training service (Tinker API)", lifespan=lifespan)
     app.state.service = service
     limit = config.max_request_bytes
-
-    @app.on_event("startup")
-    async def _start() -> None:
-        service.loop = asyncio.get_running_loop()
-        app.state.reaper = asyncio.create_task(service.reap())
-
-    @app.on_event("shutdown")
-    async def _stop() -> None:
-        app.state.reaper.cancel()
-        runner.stop()
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:

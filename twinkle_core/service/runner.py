@@ -8,6 +8,7 @@ forward_backward), and tenants who train at the same time share passes.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import traceback
@@ -36,6 +37,7 @@ class EngineRunner:
         self._jobs: list[Job] = []
         self._wake = threading.Condition()
         self._stopped = False
+        self._held = False
         self.engine = None
         self.ready = threading.Event()
         self.failed: str | None = None
@@ -48,6 +50,22 @@ class EngineRunner:
             self._jobs.append(job)
             self._wake.notify()
 
+    @contextlib.contextmanager
+    def held(self):
+        """Inside, jobs wait instead of running (a drain point for operators; tests use it to build a batch)."""
+        with self._wake:
+            self._held = True
+        try:
+            yield
+        finally:
+            with self._wake:
+                self._held = False
+                self._wake.notify()
+
+    def waiting(self) -> int:
+        with self._wake:
+            return len(self._jobs)
+
     def stop(self) -> None:
         with self._wake:
             self._stopped = True
@@ -58,7 +76,7 @@ class EngineRunner:
 
     def _take(self) -> list[Job] | None:
         with self._wake:
-            while not self._jobs and not self._stopped:
+            while (self._held or not self._jobs) and not self._stopped:
                 self._wake.wait()
             if self._stopped:
                 return None

@@ -32,7 +32,7 @@ from twinkle_core.config.fields import (CheckpointEvery, DatasetId, DocumentMask
                                         OptimizerFields, ProcessFields, RegisteredModelName, RunFields, SeqLength,
                                         ValidationFraction, VirtualPipelineStages, WarmupRatio, WeightDecay)
 from twinkle_core.data.blend import parse_data_path
-from twinkle_core.hub import HubError, id_problems
+from twinkle_core.hub import HubError, dataset_problems
 from twinkle_core.tracking import tracking_uri
 from twinkle_core.train.pretrain import PretrainRunConfig
 
@@ -61,7 +61,7 @@ class CorpusFields(BaseModel):
         for _, dataset_id in parse_data_path(self.dataset):
             try:
                 if indexed_prefix(dataset_id) is None:
-                    problems += id_problems("dataset", dataset_id)
+                    problems += dataset_problems("dataset", dataset_id)
             except HubError as error:
                 problems.append(f"dataset={self.dataset!r}: {error}")
         return problems

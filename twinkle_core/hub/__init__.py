@@ -1,5 +1,5 @@
 """Resolve model and dataset ids (ModelScope, Hugging Face, installed packages, local paths) to local files."""
-from .datasets import ResolvedDataset, resolve_dataset
+from .datasets import ResolvedDataset, dataset_problems, resolve_dataset
 from .errors import HubError, HubUnreachable
 from .ids import ParsedId, is_offline, parse_id
 from .local import id_problems
@@ -13,6 +13,7 @@ __all__ = [
     "ResolvedModel",
     "check_weight_files",
     "copy_processor_files",
+    "dataset_problems",
     "id_problems",
     "is_offline",
     "parse_id",

@@ -11,7 +11,7 @@ from twinkle_core.paths import cache_dir
 
 from .errors import HubError
 from .ids import ParsedId, is_offline, parse_id
-from .local import local_target
+from .local import id_problems, local_target
 from .snapshots import download_snapshot
 
 log = logging.getLogger(__name__)
@@ -34,11 +34,33 @@ def resolve_dataset(dataset_id: str) -> ResolvedDataset:
     if parsed.scheme in ("hf", "ms"):
         path = _materialise_hub_dataset(parsed, dataset_id)
     else:
-        target = local_target(parsed, dataset_id)
-        path = target if target.is_file() else _single_data_file(target, dataset_id)
-        if path.suffix.lower() not in DATA_SUFFIXES:
-            raise HubError(f"dataset id {dataset_id!r}: {str(path)!r} is not one of {', '.join(DATA_SUFFIXES)}")
+        path = _local_data_file(local_target(parsed, dataset_id), dataset_id)
     return ResolvedDataset(dataset_id, path, hash_file(path))
+
+
+def dataset_problems(field: str, text: str) -> list[str]:
+    """What is wrong with a dataset id before the run: id_problems, and what resolve_dataset would refuse in a
+    local file from its name and size alone (its rows are read once, in the run)."""
+    problems = id_problems(field, text)
+    parsed = None if problems else parse_id(text)
+    if parsed is None or parsed.scheme not in ("local", "pkg"):
+        return problems
+    try:
+        _local_data_file(local_target(parsed, text), text)
+    except HubError as err:
+        return [f"{field}={text!r}: {str(err).removeprefix(f'dataset id {text!r}: ')}"]
+    return []
+
+
+def _local_data_file(target: Path, dataset_id: str) -> Path:
+    """The data file a local path names: the file itself, or the one data file of a folder; not empty."""
+    path = target if target.is_file() else _single_data_file(target, dataset_id)
+    if path.suffix.lower() not in DATA_SUFFIXES:
+        raise HubError(f"dataset id {dataset_id!r}: {str(path)!r} is not one of {', '.join(DATA_SUFFIXES)}; "
+                       "convert it to one of those")
+    if path.stat().st_size == 0:
+        raise HubError(f"dataset id {dataset_id!r}: {str(path)!r} is empty (0 bytes): it has no rows")
+    return path
 
 
 def _single_data_file(folder: Path, dataset_id: str) -> Path:

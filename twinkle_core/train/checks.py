@@ -16,7 +16,7 @@ from typing import Any
 from twinkle_core.data import get_row_format, no_template_message, read_chat_template
 from twinkle_core.errors import UserError
 from twinkle_core.families import check_model_id, get_family
-from twinkle_core.hub import check_weight_files, id_problems
+from twinkle_core.hub import check_weight_files, dataset_problems, id_problems
 from twinkle_core.models.backends import get_backend, raised_problems
 from twinkle_core.objectives import get_objective
 from twinkle_core.precision import resolve_precision
@@ -61,7 +61,7 @@ def _source_problems(config) -> list[str]:
 
 def _dataset_problems(config) -> list[str]:
     return [problem for field in ("dataset", "eval_dataset") if getattr(config, field, None)
-            for problem in id_problems(field, getattr(config, field))]
+            for problem in dataset_problems(field, getattr(config, field))]
 
 
 def _split_problems(config, objective) -> list[str]:

@@ -16,11 +16,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from flows.cli import OptionParser
 from twinkle_core.errors import UserError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m flows.chat", description=__doc__.splitlines()[0])
+    parser = OptionParser(prog="python -m flows.chat", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="models:/NAME@ALIAS or models:/NAME/VERSION")
     parser.add_argument("--message", help="ask this once, print the answer and exit (default: interactive)")
     parser.add_argument("--system", help="a system prompt before the conversation")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import logging
 import sys
@@ -21,12 +22,57 @@ from pydantic import BaseModel, ValidationError
 from twinkle_core.errors import user_error
 
 
+# Names other trainers (HF Trainer, trl) give our options: suggested first when one is mistyped.
+ALIASES = {"learning_rate": "lr", "num_train_epochs": "epochs", "num_epochs": "epochs", "max_seq_length": "max_length",
+           "per_device_train_batch_size": "batch_size", "model_name_or_path": "model_id", "lora_rank": "lora_r"}
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _close_options(name: str, valid: list[str]) -> list[str]:
+    """The valid options nearest to a mistyped `name` (flags or field names alike): an alias, then look-alikes."""
+    key = name.lstrip("-").replace("-", "_")
+    alias = ALIASES.get(key)
+    aliased = [option for option in valid if alias and option.lstrip("-").replace("-", "_") == alias]
+    return aliased or difflib.get_close_matches(name, valid, n=3)
+
+
+def _did_you_mean(options: list[str]) -> str:
+    return f"; did you mean {' or '.join(options)}?" if options else ""
+
+
+class OptionParser(argparse.ArgumentParser):
+    """argparse whose errors take two lines, not the whole usage; an unknown option names the closest valid ones.
+    They exit with status 1, as the options' other errors (bad values, --config) do."""
+
+    def __init__(self, *args, **kwargs):
+        script = Path(sys.argv[0])
+        if script.parent.name == "flows":  # `python -m flows.sft`, not argparse's "sft.py"
+            kwargs.setdefault("prog", f"python -m flows.{script.stem}")
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        valid = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
+        # before argparse's own pass, which would first report a required option the typo was meant to give
+        unknown = [flag for flag in (token.split("=", 1)[0] for token in args if token.startswith("--"))
+                   if not any(option.startswith(flag) for option in valid)]  # a unique prefix is argparse's too
+        if unknown:
+            self.error("\n".join(f"unknown option {flag}" + _did_you_mean(_close_options(flag, valid))
+                                 for flag in unknown))
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # a value with no option before it
+            self.error(f"unexpected argument(s) {' '.join(extras)}; options are written --name value")
+        return parsed
+
+    def error(self, message: str):
+        raise SystemExit(f"{self.prog}: {message}\n(--help lists every option)")
+
+
 def build_parser(model: type[BaseModel], description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
+    parser = OptionParser(description=description)
     parser.add_argument("--config", type=Path, help="YAML or JSON file with any of the options below.")
     parser.add_argument("--debug", action="store_true",
                         help="Show the traceback of an error the run reports (bad id, data set or option); the "
@@ -60,7 +106,10 @@ def run_from_cli(flow, model: type[BaseModel], argv: list[str] | None, doc: str)
     `--resume RUN_FOLDER` runs again in an earlier run's folder, from the parameters it started with (flags
     may change what does not affect training): training continues from its last saved state."""
     args = parse_args(model, argv, description=doc.splitlines()[0])
+    from flows.local_server import end_server_with_this_process
     from flows.run_folder import resuming
+
+    end_server_with_this_process()
 
     def run() -> dict:
         with resuming(args.resume):
@@ -146,7 +195,9 @@ def parse_args(model: type[BaseModel], argv: list[str] | None, description: str)
         values.update(read_config_file(args.config))
         unknown = sorted(set(values) - set(model.model_fields))
         if unknown:
-            raise SystemExit(f"--config {args.config}: unknown options {unknown}; see --help for the valid ones")
+            near = {name: _close_options(name, list(model.model_fields)) for name in unknown}
+            hints = "".join(f"\n  {name}{_did_you_mean(near[name])}" for name in unknown if near[name])
+            raise SystemExit(f"--config {args.config}: unknown options {unknown}; see --help for the valid ones{hints}")
     values.update({k: _coerce(model, k, v) for k, v in vars(args).items()
                    if k not in ("config", "resume", "debug") and v is not None})
     try:

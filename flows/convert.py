@@ -17,6 +17,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field, model_validator
 
 from flows.cli import parse_args, report_user_errors
+from flows.local_server import end_server_with_this_process
 from tasks.convert import open_megatron_checkpoint, place_output, to_hf, to_megatron
 from tasks.download import download_model
 from twinkle_core.config.fields import ModelId, TimeoutMinutes
@@ -61,6 +62,7 @@ def convert_checkpoint(config: ConvertConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(ConvertConfig, argv, description=__doc__.splitlines()[0])
+    end_server_with_this_process()
     result = report_user_errors(lambda: convert_checkpoint(args.config), "convert", args.debug)
     if result is None:
         return 1

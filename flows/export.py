@@ -15,13 +15,14 @@ import sys
 import time
 from pathlib import Path
 
+from flows.cli import OptionParser
 from twinkle_core.errors import UserError
 
 FORMATS = ("hf-merged", "gguf")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m flows.export", description=__doc__.splitlines()[0])
+    parser = OptionParser(prog="python -m flows.export", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="models:/NAME@ALIAS or models:/NAME/VERSION")
     parser.add_argument("--to", required=True, choices=FORMATS, help="the format to write")
     parser.add_argument("--output", required=True, type=Path, help="a new or empty folder")

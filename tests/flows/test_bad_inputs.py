@@ -59,6 +59,19 @@ AT_PARSE = [
      "dataset='{ws}/corpus.txt': local path does not exist"),
     ("multi-lora-missing-model", "multi_lora", ["--model-id", "{ws}/nothing"],
      "model_id='{ws}/nothing': local path does not exist"),
+    ("unknown-option", "sft", ["--learning-rate", "1e-4"], "unknown option --learning-rate; did you mean --lr?"),
+    ("unknown-option-dpo", "dpo", ["--bta=0.2"], "unknown option --bta; did you mean --beta?"),
+    ("dataset-suffix", "sft", ["--dataset", "{ws}/rows.csv"],
+     "dataset='{ws}/rows.csv': '{ws}/rows.csv' is not one of .jsonl, .json, .parquet"),
+    ("dataset-empty", "sft", ["--eval-dataset", "{ws}/empty.jsonl"],
+     "eval_dataset='{ws}/empty.jsonl': '{ws}/empty.jsonl' is empty (0 bytes): it has no rows"),
+    ("dataset-folder", "sft", ["--dataset", "{ws}/two_files"],
+     "dataset='{ws}/two_files': folder '{ws}/two_files' must hold exactly one .jsonl/.json/.parquet file, "
+     "found 2"),
+    ("grpo-dataset-empty", "grpo", ["--dataset", "{ws}/empty.jsonl"],
+     "dataset='{ws}/empty.jsonl': '{ws}/empty.jsonl' is empty"),
+    ("pretrain-dataset-suffix", "pretrain", ["--dataset", "{ws}/corpus.csv"],
+     "dataset='{ws}/corpus.csv': '{ws}/corpus.csv' is not one of .jsonl, .json, .parquet"),
 ]
 IN_FLOW = [
     ("no-usable-rows", "sft", ["--dataset", "{ws}/no_messages.jsonl"],
@@ -92,6 +105,12 @@ def _inputs(ws) -> None:
     good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}]})
     (root / "mostly_bad.jsonl").write_text(good + '\n{"foo": 1}\n{"foo": 2}\n{"foo": 3}\n')
     (root / "latin1.json").write_bytes(b'[{"messages": "caf\xe9"}]')
+    (root / "rows.csv").write_text("messages\nhi\n")
+    (root / "corpus.csv").write_text("text\nhi\n")
+    (root / "empty.jsonl").write_bytes(b"")
+    (root / "two_files").mkdir()
+    (root / "two_files" / "a.jsonl").write_text(good + "\n")
+    (root / "two_files" / "b.jsonl").write_text(good + "\n")
 
 
 def _run(module: str, argv: list[str], capsys) -> str:

@@ -256,3 +256,55 @@ def test_two_worker_processes_equal_one(tiny_model_dir, service):
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+def test_sampling_is_greedy_exact_a_snapshot_and_scores_like_forward(service):
+    app, url = service
+    client = _client(url, "tml-grace")
+    training = client.create_lora_training_client(base_model=NAME, rank=8, seed=3).result()
+    prompt, vocab = [5, 6, 7, 8], training.get_tokenizer().vocab_size
+    greedy = types.SamplingParams(max_tokens=3, temperature=0.0, stop=[])
+
+    def every_logprob(tokens):  # each position's log-probability of every vocabulary token (targets [N, vocab])
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                            loss_fn_inputs={"target_tokens": np.tile(np.arange(vocab), (len(tokens), 1)),
+                                            "weights": np.zeros((len(tokens), vocab), np.float32)})
+        return training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+    before = training.save_weights_and_get_sampling_client().result()  # the untrained weights, kept as they are
+    first = before.sample(types.ModelInput.from_ints(prompt), 1, greedy).result().sequences[0]
+    untrained = every_logprob(prompt + first.tokens[:-1])
+    for _ in range(8):
+        training.forward_backward([_datum(prompt + [9, 10, 11], len(prompt))], "cross_entropy")
+        training.optim_step(types.AdamParams(learning_rate=2e-2))
+    path = training.save_weights_for_sampler("trained").result().path
+    assert path.startswith("tinker://") and path.endswith("/sampler_weights/trained")
+    trained = client.create_sampling_client(model_path=path).result()
+    out = trained.sample(types.ModelInput.from_ints(prompt), 1, greedy, include_prompt_logprobs=True).result()
+    tokens = out.sequences[0].tokens
+    assert len(tokens) == 3 and out.sequences[0].stop_reason == "length"
+    table = every_logprob(prompt + tokens[:-1])
+    assert tokens == [int(table[len(prompt) - 1 + i].argmax()) for i in range(3)]  # greedy is the argmax
+    assert out.prompt_logprobs[0] is None
+    np.testing.assert_allclose(out.prompt_logprobs[1:], [table[i, prompt[i + 1]] for i in range(3)], atol=1e-5)
+    # the snapshot taken before training still samples the untrained weights
+    again = before.sample(types.ModelInput.from_ints(prompt), 1, greedy).result().sequences[0]
+    assert again.tokens == first.tokens
+    np.testing.assert_allclose(again.logprobs, [untrained[len(prompt) - 1 + i, t] for i, t in enumerate(first.tokens)],
+                               atol=1e-5)
+    assert np.abs(table - untrained).max() > 1e-3  # and training did change the weights
+    # sampled logprobs are the sampled weights' own (temperature 1), as forward computes them; stop tokens stop
+    sampled = trained.sample(types.ModelInput.from_ints(prompt), 4,
+                             types.SamplingParams(max_tokens=5, temperature=1.0, seed=4, stop=[10])).result()
+    for sequence in sampled.sequences:
+        assert len(sequence.tokens) == len(sequence.logprobs) <= 5
+        assert sequence.stop_reason == ("stop" if sequence.tokens[-1] == 10 else "length")
+        scored = training.forward([_datum(prompt + sequence.tokens, 1)], "cross_entropy").result()
+        np.testing.assert_allclose(sequence.logprobs, scored.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:],
+                                   atol=1e-5)
+    # another key cannot sample these weights
+    other = _client(url, "tml-heidi")
+    with pytest.raises(tinker.NotFoundError, match="not found"):
+        other.create_sampling_client(model_path=path).result()
+    other.close("success").result()
+    client.close("success").result()

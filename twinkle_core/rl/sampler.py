@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
-from transformers.generation.logits_process import TopPLogitsWarper
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 
 @dataclass(frozen=True)
@@ -25,17 +25,20 @@ class SamplingSettings:
     max_new_tokens: int = 64
     temperature: float = 1.0  # 0: greedy (evaluation)
     top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
 
     def generate_kwargs(self) -> dict:
         if self.temperature == 0:
             return {"do_sample": False}
-        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token of each row from its fp32 logits, as `generate` picks it with generate_kwargs()."""
         if self.temperature == 0:
             return logits.argmax(dim=-1)
         scores = logits / self.temperature
+        if self.top_k > 0:
+            scores = TopKLogitsWarper(self.top_k)(None, scores)
         if self.top_p < 1.0:
             scores = TopPLogitsWarper(self.top_p)(None, scores)
         return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)

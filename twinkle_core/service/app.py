@@ -23,7 +23,7 @@ from tinker import types
 
 from twinkle_core.service.runner import FORWARD_BACKWARD, EngineRunner, Job
 from twinkle_core.service.worker import RemoteEngine, WorkerTree
-from twinkle_core.service.wire import WireError, decode_forward_backward, encode_forward_backward
+from twinkle_core.service.wire import WireError, decode_forward_backward, encode_forward_backward, encode_sample
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,13 @@ class TrainingModel:
 
 
 @dataclass
+class SamplingSession:
+    key: str
+    sampler_id: str | None  # None: the base model
+    clients: int = 1
+
+
+@dataclass
 class Pending:
     key: str
     future: asyncio.Future
@@ -81,6 +88,8 @@ class Service:
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainingModel] = {}
         self.futures: dict[str, Pending] = {}
+        self.sampler_paths: dict[str, tuple[str, str]] = {}  # tinker:// path: (key, sampler id)
+        self.sampling: dict[str, SamplingSession] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
 
     # ----- identity and ownership ------------------------------------------------------------------
@@ -138,10 +147,18 @@ class Service:
         return JSONResponse(result)
 
     # ----- sessions --------------------------------------------------------------------------------
+    def sampling_session(self, key: str, sampling_session_id: str) -> SamplingSession:
+        sampling = self.sampling.get(sampling_session_id)
+        if sampling is None or sampling.key != key:
+            raise ApiError(404, f"sampling session {sampling_session_id!r} not found")
+        return sampling
+
     def end_session(self, session_id: str) -> None:
         session = self.sessions.pop(session_id, None)
         for model_id in sorted(session.models) if session else ():
             self.models.pop(model_id, None)
+            for path in [p for p in self.sampler_paths if p.startswith(f"tinker://{model_id}/")]:
+                del self.sampler_paths[path]
             self.runner.submit(Job("remove", model_id, {"name": model_id}, lambda *a: None))
 
     async def reap(self) -> None:
@@ -198,8 +215,7 @@ def _unsupported(name: str):
     return handler
 
 
-UNSUPPORTED = ("save_weights", "load_weights", "save_weights_for_sampler", "save_weights_external",
-               "create_sampling_session", "join_sampling_session", "asample", "create_custom_loss",
+UNSUPPORTED = ("save_weights", "load_weights", "save_weights_external", "create_custom_loss",
                "copy_weights", "cancel_future", "unload_model", "retrieve_futures")
 
 
@@ -234,7 +250,7 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
     @app.get(f"{API}/get_server_capabilities")
     async def capabilities():
         return {"supported_models": [{"model_name": config.model_name, "max_context_length": config.max_length,
-                                      "trainable": True, "sampleable": False}]}
+                                      "trainable": True, "sampleable": True}]}
 
     @app.post(f"{API}/client/config")
     async def client_config(request: Request):
@@ -353,6 +369,118 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
                                                                     "weight_decay", "grad_clip_norm"})}
         return service.submit(key, "optim_step", body.model_id, args,
                               lambda result, error: None if error else {"type": "optim_step", "metrics": result})
+
+    # ----- sampling ---------------------------------------------------------------------------------
+    @app.post(f"{API}/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request):
+        key = service.key(request)
+        body = _parse(types.SaveWeightsForSamplerRequest, await _json(request, limit))
+        model = service.model(key, body.model_id)
+        sampler_id = "w" + secrets.token_hex(8)
+        if body.path is not None:
+            if not body.path or "/" in body.path or len(body.path) > 200:
+                raise ApiError(400, f"sampler weights name {body.path!r}: use 1-200 characters without '/'")
+            path = f"tinker://{body.model_id}/sampler_weights/{body.path}"
+
+            def saved(result, error):
+                if error is None:
+                    service.sampler_paths[path] = (key, sampler_id)
+                    return {"type": "save_weights_for_sampler", "path": path}
+        else:
+            sampling_session_id = "p" + secrets.token_hex(8)
+
+            def saved(result, error):
+                if error is None:
+                    service.sampling[sampling_session_id] = SamplingSession(key, sampler_id)
+                    return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id}
+        del model
+        return service.submit(key, "save_sampler", body.model_id, {"name": body.model_id, "sampler_id": sampler_id},
+                              saved)
+
+    @app.post(f"{API}/create_sampling_session")
+    async def create_sampling_session(request: Request):
+        key = service.key(request)
+        body = _parse(types.CreateSamplingSessionRequest, await _json(request, limit))
+        service.session(key, body.session_id)
+        if body.model_path is not None:
+            owner, sampler_id = service.sampler_paths.get(body.model_path, (None, None))
+            if owner != key:
+                raise ApiError(404, f"sampler weights {body.model_path!r} not found")
+        elif body.base_model == config.model_name:
+            sampler_id = None
+        else:
+            raise ApiError(400, f"base_model {body.base_model!r} is not served here; this server serves "
+                                f"{config.model_name!r}")
+        sampling_session_id = "p" + secrets.token_hex(8)
+        service.sampling[sampling_session_id] = SamplingSession(key, sampler_id)
+        return {"type": "create_sampling_session", "sampling_session_id": sampling_session_id}
+
+    @app.get(f"{API}/samplers/{{sampling_session_id}}")
+    async def get_sampler(sampling_session_id: str, request: Request):
+        key = service.key(request)
+        sampling = service.sampling_session(key, sampling_session_id)
+        path = next((p for p, (_, s) in service.sampler_paths.items() if s == sampling.sampler_id), None)
+        return {"sampler_id": sampling_session_id, "base_model": config.model_name,
+                "model_path": path if sampling.sampler_id else None}
+
+    @app.post(f"{API}/join_sampling_session")
+    async def join_sampling_session(request: Request):
+        key = service.key(request)
+        body = _parse(types.JoinSamplingSessionRequest, await _json(request, limit))
+        sampling = service.sampling_session(key, body.sampling_session_id)
+        sampling.clients += 1
+        return {"type": "join_sampling_session", "client_counter": sampling.clients - 1}
+
+    @app.post(f"{API}/asample")
+    async def asample(request: Request):
+        key = service.key(request)
+        body = _parse(types.SampleRequest, await _json(request, limit))
+        if body.sampling_session_id is not None:
+            sampler_id = service.sampling_session(key, body.sampling_session_id).sampler_id
+        elif body.model_path is not None:
+            owner, sampler_id = service.sampler_paths.get(body.model_path, (None, None))
+            if owner != key:
+                raise ApiError(404, f"sampler weights {body.model_path!r} not found")
+        elif body.base_model == config.model_name:
+            sampler_id = None
+        else:
+            raise ApiError(400, "asample needs a sampling_session_id, a model_path or this server's base_model")
+        refused = [name for name, asked in (("topk_prompt_logprobs", body.topk_prompt_logprobs),
+                                            ("topk_sample_logprobs", body.topk_sample_logprobs),
+                                            ("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
+                                            ("target_prompt_logprobs", body.target_prompt_logprobs is not None),
+                                            ("prompt_logprobs_last_n", body.prompt_logprobs_last_n is not None))
+                   if asked]
+        if refused:
+            raise ApiError(400, f"{', '.join(refused)}: not supported by this server (plain and prompt logprobs are)")
+        params = body.sampling_params
+        stop = params.stop
+        if isinstance(stop, str) or (isinstance(stop, (list, tuple)) and any(isinstance(s, str) for s in stop)):
+            raise ApiError(400, "stop strings are not supported by this server; give stop token ids")
+        if not 1 <= body.num_samples <= 64:
+            raise ApiError(400, f"num_samples={body.num_samples}: this server takes 1..64 per request")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ApiError(400, f"temperature={params.temperature}, top_p={params.top_p}: need temperature >= 0 "
+                                "and 0 < top_p <= 1")
+        max_tokens = params.max_tokens if params.max_tokens is not None else 64
+        if max_tokens < 1:
+            raise ApiError(400, f"max_tokens={max_tokens} must be >= 1")
+        try:
+            prompt = body.prompt.to_ints()
+        except ValueError:
+            raise ApiError(400, "only token chunks are supported by this server (a text-only base model)") from None
+        args = {"sampler_id": sampler_id, "prompt": prompt, "num_samples": body.num_samples, "max_tokens": max_tokens,
+                "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                "seed": params.seed, "stop_tokens": None if stop is None else [int(t) for t in stop],
+                "prompt_logprobs": bool(body.prompt_logprobs)}
+
+        def encoded(result, error):
+            if error is None:
+                sequences, prompt_logprobs = result
+                return encode_sample(sequences, prompt_logprobs)
+
+        future = service.submit(key, "sample", sampler_id or "__base__", args, encoded)
+        return {**future, "sample_sequence_ids": [f"{future['request_id']}-{i}" for i in range(body.num_samples)]}
 
     @app.post(f"{API}/retrieve_future")
     async def retrieve_future(request: Request):

@@ -11,6 +11,7 @@ only, so its result does not depend on who else was in the batch.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
@@ -20,7 +21,9 @@ import torch
 from peft import LoraConfig
 
 from twinkle_core.errors import UserError
-from twinkle_core.models.lora_routing import RowGroup
+from twinkle_core.models.lora_routing import BASE_ONLY, RowGroup
+from twinkle_core.models.tenants import adapter_of
+from twinkle_core.rl.sampler import PolicySampler, SamplingSettings
 from twinkle_core.models.multi_lora import MultiLoraTransformersModel
 from twinkle_core.service.losses import check_inputs, loss_sum
 from twinkle_core.service.wire import ForwardBackwardIn
@@ -44,6 +47,7 @@ class TinkerEngine:
         self.max_length = max_length
         self.vocab_size = int(self.model.model.get_input_embeddings().weight.shape[0])
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.samplers: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}  # id: (tenant, its adapter weights then)
 
     # ----- tenants ---------------------------------------------------------------------------------
     def create(self, name: str, rank: int, seed: int | None = None, train_attn: bool = True,
@@ -70,6 +74,80 @@ class TinkerEngine:
         if name in self.model.slots:
             self.model.remove_adapter(name)
         self.optimizers.pop(name, None)
+        for sampler_id in [k for k, (tenant, _) in self.samplers.items() if tenant == name]:
+            del self.samplers[sampler_id]
+
+    # ----- sampling ----------------------------------------------------------------------------------
+    def save_sampler(self, name: str, sampler_id: str) -> None:
+        """Keep tenant `name`'s adapter weights as they are now, for sampling under `sampler_id`."""
+        if name not in self.optimizers:
+            raise UserError(f"model {name!r} is not on this server")
+        self.samplers[sampler_id] = (name, {n: p.detach().clone() for n, p in self._named_weights(name)})
+
+    def drop_sampler(self, sampler_id: str) -> None:
+        self.samplers.pop(sampler_id, None)
+
+    def _named_weights(self, name: str) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.model.model.named_parameters() if adapter_of(n) == name]
+
+    @contextlib.contextmanager
+    def _sampler_weights(self, sampler_id: str | None):
+        """The adapter to route through while sampling: the base (None), or the tenant with the sampler's saved
+        weights swapped in for the call (the tenant's own weights and gradients come back untouched)."""
+        if sampler_id is None:
+            yield BASE_ONLY
+            return
+        if sampler_id not in self.samplers:
+            raise UserError("this sampler's weights were released (its training model's session ended)")
+        tenant, saved = self.samplers[sampler_id]
+        current = dict(self._named_weights(tenant))
+        kept = {n: p.detach().clone() for n, p in current.items()}
+        with torch.no_grad():
+            for n, p in current.items():
+                p.copy_(saved[n])
+        try:
+            yield tenant
+        finally:
+            with torch.no_grad():
+                for n, p in current.items():
+                    p.copy_(kept[n])
+
+    @torch.no_grad()
+    def sample(self, sampler_id: str | None, prompt: list[int], num_samples: int, max_tokens: int,
+               temperature: float, top_p: float, top_k: int, seed: int | None, stop_tokens: list[int] | None,
+               prompt_logprobs: bool) -> tuple[list[tuple[list[int], list[float], str]], list[float] | None]:
+        """`num_samples` completions of `prompt`: each one's tokens, their log-probabilities under the sampled
+        weights (temperature 1, as forward computes them) and why it stopped; the prompt's log-probabilities."""
+        if not prompt or len(prompt) + max_tokens > self.max_length:
+            raise UserError(f"prompt of {len(prompt)} tokens + max_tokens={max_tokens} is over this server's "
+                            f"--max-length={self.max_length} (or the prompt is empty)")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise UserError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        tokenizer = self.model.tokenizer
+        eos = [tokenizer.eos_token_id] if stop_tokens is None else list(stop_tokens)
+        settings = SamplingSettings(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                    top_k=max(0, top_k))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        with self._sampler_weights(sampler_id) as adapter, self.model.router.route([RowGroup(adapter)]):
+            sampler = PolicySampler(self.model.model, pad, [t for t in eos if t is not None], self.model.device,
+                                    lambda: self.model.precision.autocast(self.model.device.type))
+            completions = sampler.sample([prompt], num_samples, settings, seed if seed is not None else 0)
+            scored = [self._sequence_logprobs(prompt + c) for c in completions]
+        sequences = []
+        for completion, logprobs in zip(completions, scored):
+            stop = "stop" if completion and completion[-1] in eos else "length"
+            sequences.append((completion, logprobs[len(prompt) - 1:].tolist(), stop))
+        first = [float("nan")] + scored[0][:len(prompt) - 1].tolist() if prompt_logprobs and scored else None
+        return sequences, first
+
+    def _sequence_logprobs(self, tokens: list[int]) -> np.ndarray:
+        """log p(token i+1 | tokens up to i) for every position of one sequence."""
+        ids = torch.tensor([tokens], device=self.model.device)
+        with self.model.precision.autocast(self.model.device.type):
+            logits = self.model.model(input_ids=ids).logits[0, :-1].float()
+        targets = ids[0, 1:, None]
+        return torch.log_softmax(logits, -1).gather(-1, targets)[:, 0].cpu().numpy()
 
     # ----- training --------------------------------------------------------------------------------
     def check(self, request: ForwardBackwardIn) -> None:

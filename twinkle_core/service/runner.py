@@ -85,7 +85,7 @@ class EngineRunner:
                 return [self._jobs.pop(0)]
             batch, kept, blocked, rows = [], [], set(), 0
             for job in self._jobs:
-                size = len(job.args.data)
+                size = len(job.args.data) if job.kind == FORWARD_BACKWARD else 0
                 if job.kind == FORWARD_BACKWARD and job.model_id not in blocked and (not batch or rows + size <= self.max_batch_rows):
                     batch.append(job)
                     rows += size

@@ -24,7 +24,7 @@ from twinkle_core.launch import WorkerError, run_streaming, torchrun_command
 logger = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "TWINKLE_SERVICE_AUTHKEY"
-CALLS = ("forward_backward", "create", "remove", "optim_step")
+CALLS = ("forward_backward", "create", "remove", "optim_step", "save_sampler", "drop_sampler", "sample")
 
 
 class RemoteEngine:
@@ -36,14 +36,10 @@ class RemoteEngine:
     def forward_backward(self, requests):
         return self._tree.call("forward_backward", requests)
 
-    def create(self, **kw):
-        return self._tree.call("create", kw)
-
-    def remove(self, **kw):
-        return self._tree.call("remove", kw)
-
-    def optim_step(self, **kw):
-        return self._tree.call("optim_step", kw)
+    def __getattr__(self, kind: str):
+        if kind not in CALLS:
+            raise AttributeError(kind)
+        return lambda **kw: self._tree.call(kind, kw)
 
     def close(self) -> None:
         self._tree.close()

@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-request-mb", type=int, default=64, help="largest request body")
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "no"])
     parser.add_argument("--nproc-per-node", type=int, default=1, help="worker processes holding the model")
+    parser.add_argument("--state-dir", type=Path, default=Path("service-state"),
+                        help="where save_state writes (per API key); states outlive the server")
     parser.add_argument("--api-keys-file", type=Path, help="allowed API keys, one per line (default: any tml-... key)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                            tokenizer_id=args.tokenizer_id or str(path), max_tenants=args.max_tenants,
                            max_lora_rank=args.max_lora_rank, max_length=args.max_length,
                            max_request_bytes=args.max_request_mb << 20, api_keys=keys,
-                           mixed_precision=args.precision, nproc_per_node=args.nproc_per_node)
+                           mixed_precision=args.precision, nproc_per_node=args.nproc_per_node,
+                           state_dir=args.state_dir.resolve())
     print(f"service: serving {config.model_name!r} on http://{args.host}:{args.port} "
           f"(TINKER_BASE_URL; base_model={config.model_name!r})", flush=True)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")

@@ -41,11 +41,11 @@ def _serve(config: ServiceConfig):
 
 
 @pytest.fixture(scope="module")
-def service(tiny_model_dir):
+def service(tiny_model_dir, tmp_path_factory):
     os.environ["TINKER_TELEMETRY"] = "0"
     config = ServiceConfig(model_id=str(tiny_model_dir), model_name=NAME, tokenizer_id=str(tiny_model_dir),
                            mixed_precision="no", max_tenants=3, max_lora_rank=8, max_length=64,
-                           max_request_bytes=1 << 20)
+                           max_request_bytes=1 << 20, state_dir=tmp_path_factory.mktemp("state"))
     server, thread, app, url = _serve(config)
     yield app, url
     server.should_exit = True
@@ -306,5 +306,48 @@ def test_sampling_is_greedy_exact_a_snapshot_and_scores_like_forward(service):
     other = _client(url, "tml-heidi")
     with pytest.raises(tinker.NotFoundError, match="not found"):
         other.create_sampling_client(model_path=path).result()
+    other.close("success").result()
+    client.close("success").result()
+
+
+def test_saved_states_resume_exactly_with_their_optimizer_and_stay_the_keys_own(service):
+    app, url = service
+    client = _client(url, "tml-ivan")
+    training = client.create_lora_training_client(base_model=NAME, rank=4, seed=9).result()
+    data = [_datum(t, 2) for t in ROWS]
+
+    def step(trainer):
+        trainer.forward_backward(data, "cross_entropy")
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2))
+
+    def logprobs(trainer):
+        return [o["logprobs"].to_numpy() for o in trainer.forward(data, "cross_entropy").result().loss_fn_outputs]
+
+    for _ in range(2):
+        step(training)
+    path = training.save_state("ckpt").result().path
+    assert path == f"tinker://{training.model_id}/weights/ckpt"
+    at_save = logprobs(training)
+    for _ in range(2):
+        step(training)
+    continued = logprobs(training)
+    # a new training model from the state, with its AdamW moments: the same two steps give the same weights
+    resumed = client.create_training_client_from_state_with_optimizer(path).result()
+    assert resumed.get_info().lora_rank == 4
+    for got, want in zip(logprobs(resumed), at_save):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    for _ in range(2):
+        step(resumed)
+    for got, want in zip(logprobs(resumed), continued):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    # weights only, into the first model: back to the saved weights
+    training.load_state(path).result()
+    for got, want in zip(logprobs(training), at_save):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    with pytest.raises(Exception, match="exists already"):
+        training.save_state("ckpt").result()
+    other = _client(url, "tml-judy")
+    with pytest.raises(tinker.NotFoundError, match="not found"):
+        other.create_training_client_from_state(path).result()
     other.close("success").result()
     client.close("success").result()

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
+import re
 import logging
 import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote
 
 import pydantic
 import zstandard
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types
+from tinker.types.checkpoint import ParsedCheckpointTinkerPath
 
 from twinkle_core.service.runner import FORWARD_BACKWARD, EngineRunner, Job
 from twinkle_core.service.worker import RemoteEngine, WorkerTree
@@ -29,8 +35,10 @@ logger = logging.getLogger(__name__)
 
 API = "/api/v1"
 POLL_WAIT_S = 20.0
+FUTURE_TTL_S = 600.0
 PROTO = "application/x-protobuf"
 KEY_PREFIX = "tml-"  # the SDK refuses other keys before sending anything
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")  # a saved state's or sampler's name
 
 
 @dataclass
@@ -46,6 +54,7 @@ class ServiceConfig:
     api_keys: frozenset[str] | None = None  # None: any key of the SDK's form, each its own namespace
     mixed_precision: str = "auto"
     nproc_per_node: int = 1  # worker processes holding the model (torchrun beyond one)
+    state_dir: Path = Path("service-state")  # saved training states, per key (they outlive the server)
 
 
 @dataclass
@@ -60,6 +69,7 @@ class TrainingModel:
     key: str
     session_id: str
     rank: int
+    adapter: str  # the tenant's name in the engine (Tinker's model ids hold ':', adapter names may not)
 
 
 @dataclass
@@ -73,6 +83,7 @@ class SamplingSession:
 class Pending:
     key: str
     future: asyncio.Future
+    done_at: float = 0.0
 
 
 class ApiError(HTTPException):
@@ -114,23 +125,23 @@ class Service:
         return model
 
     # ----- futures ---------------------------------------------------------------------------------
-    def submit(self, key: str, kind: str, model_id: str, args, on_result=None) -> dict:
+    def submit(self, key: str, kind: str, adapter: str, args, on_result=None, model_id: str | None = None) -> dict:
         request_id = uuid.uuid4().hex
-        future = self.loop.create_future()
-        self.futures[request_id] = Pending(key, future)
+        pending = self.futures[request_id] = Pending(key, self.loop.create_future())
 
         def done(result, error, category):  # on the engine thread
-            self.loop.call_soon_threadsafe(self._complete, future, result, error, category, on_result)
+            self.loop.call_soon_threadsafe(self._complete, pending, result, error, category, on_result)
 
-        self.runner.submit(Job(kind, model_id, args, done))
+        self.runner.submit(Job(kind, adapter, args, done))
         return {"request_id": request_id, "model_id": model_id}
 
     @staticmethod
-    def _complete(future, result, error, category, on_result) -> None:
+    def _complete(pending, result, error, category, on_result) -> None:
         if on_result is not None:
             result = on_result(result, error)
-        if not future.done():
-            future.set_result((result, error, category))
+        if not pending.future.done():
+            pending.done_at = time.monotonic()
+            pending.future.set_result((result, error, category))
 
     async def retrieve(self, key: str, request_id: str) -> Response:
         pending = self.futures.get(request_id)
@@ -147,6 +158,35 @@ class Service:
         return JSONResponse(result)
 
     # ----- sessions --------------------------------------------------------------------------------
+    def new_model(self, key: str, session: Session, session_id: str, model_seq_id: int, rank: int) -> str:
+        """Reserve a training model slot under Tinker's own id for it (the SDK derives it as well)."""
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if model_id in self.models:
+            raise ApiError(400, f"model {model_id!r} exists already (model_seq_id {model_seq_id} was used)")
+        if len(self.models) >= self.config.max_tenants:
+            raise ApiError(400, f"this server holds --max-tenants={self.config.max_tenants} training models already; "
+                                "try again when a session ends")
+        self.models[model_id] = TrainingModel(key, session_id, rank, "t" + secrets.token_hex(8))
+        session.models.add(model_id)
+        return model_id
+
+    def forget_model(self, model_id: str) -> None:
+        model = self.models.pop(model_id, None)
+        if model is not None and model.session_id in self.sessions:
+            self.sessions[model.session_id].models.discard(model_id)
+
+    def state_dir(self, key: str, tinker_path: str) -> Path:
+        """Where a `tinker://MODEL/weights/NAME` state of this key lives; 404 unless it is the key's own."""
+        try:
+            parsed = ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+        except ValueError:
+            raise ApiError(400, f"{tinker_path!r} is not a tinker://MODEL_ID/weights/NAME path") from None
+        name = parsed.checkpoint_id.split("/", 1)[1]
+        if parsed.checkpoint_type != "training" or not _NAME.match(name):
+            raise ApiError(400, f"{tinker_path!r} is not a tinker://MODEL_ID/weights/NAME path")
+        owner = hashlib.sha256(key.encode()).hexdigest()[:16]  # a key's states sit apart from every other key's
+        return self.config.state_dir / owner / quote(parsed.training_run_id, safe="") / name
+
     def sampling_session(self, key: str, sampling_session_id: str) -> SamplingSession:
         sampling = self.sampling.get(sampling_session_id)
         if sampling is None or sampling.key != key:
@@ -156,16 +196,20 @@ class Service:
     def end_session(self, session_id: str) -> None:
         session = self.sessions.pop(session_id, None)
         for model_id in sorted(session.models) if session else ():
-            self.models.pop(model_id, None)
+            model = self.models.pop(model_id, None)
             for path in [p for p in self.sampler_paths if p.startswith(f"tinker://{model_id}/")]:
                 del self.sampler_paths[path]
-            self.runner.submit(Job("remove", model_id, {"name": model_id}, lambda *a: None))
+            if model is not None:
+                self.runner.submit(Job("remove", model.adapter, {"name": model.adapter}, lambda *a: None))
 
     async def reap(self) -> None:
         """End sessions whose client stopped heartbeating: their adapters free their slots."""
         while True:
             await asyncio.sleep(min(10.0, self.config.session_timeout_s / 2))
             now = time.monotonic()
+            for request_id, pending in list(self.futures.items()):  # results nobody fetched for 10 minutes
+                if pending.future.done() and now - pending.done_at > FUTURE_TTL_S:
+                    del self.futures[request_id]
             for session_id, session in list(self.sessions.items()):
                 if now - session.last_seen > self.config.session_timeout_s:
                     logger.info("session %s timed out; releasing %d model(s)", session_id, len(session.models))
@@ -182,8 +226,6 @@ def _parse(model: type, body: dict):
 async def _json(request: Request, limit: int) -> dict:
     body = await _body(request, limit)
     try:
-        import json
-
         data = json.loads(body or b"{}")
     except ValueError as exc:
         raise ApiError(400, f"the body is not JSON: {exc}") from None
@@ -215,7 +257,7 @@ def _unsupported(name: str):
     return handler
 
 
-UNSUPPORTED = ("save_weights", "load_weights", "save_weights_external", "create_custom_loss",
+UNSUPPORTED = ("save_weights_external", "create_custom_loss",
                "copy_weights", "cancel_future", "unload_model", "retrieve_futures")
 
 
@@ -309,23 +351,18 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
         lora = body.lora_config
         if lora.rank > config.max_lora_rank or lora.rank < 1:
             raise ApiError(400, f"lora rank {lora.rank} is outside 1..{config.max_lora_rank} (--max-lora-rank)")
-        if len(service.models) >= config.max_tenants:
-            raise ApiError(400, f"this server holds --max-tenants={config.max_tenants} training models already; "
-                                "try again when a session ends")
-        model_id = "m" + secrets.token_hex(8)
-        service.models[model_id] = TrainingModel(key, body.session_id, lora.rank)
-        session.models.add(model_id)
+        model_id = service.new_model(key, session, body.session_id, body.model_seq_id, lora.rank)
+        adapter = service.models[model_id].adapter
 
         def created(result, error):
             if error is not None:  # the slot was not taken: forget the model
-                service.models.pop(model_id, None)
-                session.models.discard(model_id)
+                service.forget_model(model_id)
                 return None
             return {"type": "create_model", "model_id": model_id}
 
-        args = {"name": model_id, "rank": lora.rank, "seed": lora.seed, "train_attn": lora.train_attn,
+        args = {"name": adapter, "rank": lora.rank, "seed": lora.seed, "train_attn": lora.train_attn,
                 "train_mlp": lora.train_mlp}
-        return service.submit(key, "create", model_id, args, created)
+        return service.submit(key, "create", adapter, args, created, model_id)
 
     @app.post(f"{API}/get_info")
     async def get_info(request: Request):
@@ -342,12 +379,13 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
             parsed = decode_forward_backward(await _body(request, limit), forward_only)
         except WireError as exc:
             raise ApiError(400, str(exc)) from None
-        service.model(key, parsed.model_id)
+        model_id, model = parsed.model_id, service.model(key, parsed.model_id)
+        parsed.model_id = model.adapter
 
         def encoded(result, error):
             return None if error is not None else encode_forward_backward(*result)
 
-        return service.submit(key, FORWARD_BACKWARD, parsed.model_id, parsed, encoded)
+        return service.submit(key, FORWARD_BACKWARD, model.adapter, parsed, encoded, model_id)
 
     @app.post(f"{API}/forward_backward")
     async def forward_backward_route(request: Request):
@@ -361,14 +399,62 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
     async def optim_step(request: Request):
         key = service.key(request)
         body = _parse(types.OptimStepRequest, await _json(request, limit))
-        service.model(key, body.model_id)
+        model = service.model(key, body.model_id)
         params = body.optim_params
         if not isinstance(params, types.AdamParams):
             raise ApiError(400, f"optimizer params of type {getattr(params, 'type', '?')!r}: this server steps AdamW")
-        args = {"name": body.model_id, **params.model_dump(include={"learning_rate", "beta1", "beta2", "eps",
-                                                                    "weight_decay", "grad_clip_norm"})}
-        return service.submit(key, "optim_step", body.model_id, args,
-                              lambda result, error: None if error else {"type": "optim_step", "metrics": result})
+        args = {"name": model.adapter, **params.model_dump(include={"learning_rate", "beta1", "beta2", "eps",
+                                                                      "weight_decay", "grad_clip_norm"})}
+        return service.submit(key, "optim_step", model.adapter, args,
+                              lambda result, error: None if error else {"type": "optim_step", "metrics": result},
+                              body.model_id)
+
+    # ----- training states ----------------------------------------------------------------------------
+    @app.post(f"{API}/save_weights")
+    async def save_weights(request: Request):
+        key = service.key(request)
+        body = _parse(types.SaveWeightsRequest, await _json(request, limit))
+        model = service.model(key, body.model_id)
+        name = body.path if body.path is not None else f"state-{int(time.time())}-{secrets.token_hex(3)}"
+        path = f"tinker://{body.model_id}/weights/{name}"
+        directory = service.state_dir(key, path)
+        if directory.exists() and not body.overwrite:
+            raise ApiError(400, f"{path} exists already; save under another name or with overwrite=True")
+        return service.submit(key, "save_state", model.adapter, {"name": model.adapter, "directory": str(directory)},
+                              lambda result, error: None if error else {"type": "save_weights", "path": path},
+                              body.model_id)
+
+    @app.post(f"{API}/load_weights")
+    async def load_weights(request: Request):
+        key = service.key(request)
+        body = _parse(types.LoadWeightsRequest, await _json(request, limit))
+        directory = service.state_dir(key, body.path)
+        if not (directory / "adapter" / "adapter_config.json").is_file():
+            raise ApiError(404, f"training state {body.path!r} not found")
+        if body.model_id is not None:  # into an existing training model
+            model = service.model(key, body.model_id)
+            args = {"name": model.adapter, "directory": str(directory), "optimizer": body.optimizer}
+            return service.submit(key, "load_state", model.adapter, args, lambda result, error: None if error else
+                                  {"type": "load_weights", "path": body.path, "model_id": body.model_id}, body.model_id)
+        if body.session_id is None or body.model_seq_id is None:
+            raise ApiError(400, "load_weights needs model_id, or session_id with model_seq_id")
+        if body.base_model not in (None, config.model_name):
+            raise ApiError(400, f"base_model {body.base_model!r} is not served here ({config.model_name!r})")
+        rank = int(json.loads((directory / "adapter" / "adapter_config.json").read_text())["r"])
+        if rank > config.max_lora_rank:
+            raise ApiError(400, f"the state's lora rank {rank} is over this server's --max-lora-rank {config.max_lora_rank}")
+        session = service.session(key, body.session_id)
+        model_id = service.new_model(key, session, body.session_id, body.model_seq_id, rank)
+        adapter = service.models[model_id].adapter
+
+        def loaded(result, error):
+            if error is not None:
+                service.forget_model(model_id)
+                return None
+            return {"type": "load_weights", "path": body.path, "model_id": model_id}
+
+        args = {"name": adapter, "directory": str(directory), "optimizer": body.optimizer}
+        return service.submit(key, "create_from_state", adapter, args, loaded, model_id)
 
     # ----- sampling ---------------------------------------------------------------------------------
     @app.post(f"{API}/save_weights_for_sampler")
@@ -378,8 +464,8 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
         model = service.model(key, body.model_id)
         sampler_id = "w" + secrets.token_hex(8)
         if body.path is not None:
-            if not body.path or "/" in body.path or len(body.path) > 200:
-                raise ApiError(400, f"sampler weights name {body.path!r}: use 1-200 characters without '/'")
+            if not _NAME.match(body.path):
+                raise ApiError(400, f"sampler weights name {body.path!r}: use 1-200 letters, digits, '_', '.', '-'")
             path = f"tinker://{body.model_id}/sampler_weights/{body.path}"
 
             def saved(result, error):
@@ -393,9 +479,8 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
                 if error is None:
                     service.sampling[sampling_session_id] = SamplingSession(key, sampler_id)
                     return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id}
-        del model
-        return service.submit(key, "save_sampler", body.model_id, {"name": body.model_id, "sampler_id": sampler_id},
-                              saved)
+        return service.submit(key, "save_sampler", model.adapter, {"name": model.adapter, "sampler_id": sampler_id},
+                              saved, body.model_id)
 
     @app.post(f"{API}/create_sampling_session")
     async def create_sampling_session(request: Request):

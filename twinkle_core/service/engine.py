@@ -16,19 +16,24 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+from pathlib import Path
+
 import numpy as np
 import torch
-from peft import LoraConfig
+from peft import LoraConfig, set_peft_model_state_dict
+from safetensors.torch import load_file
 
+from twinkle_core.atomic import atomic_dir
 from twinkle_core.errors import UserError
 from twinkle_core.models.lora_routing import BASE_ONLY, RowGroup
 from twinkle_core.models.tenants import adapter_of
-from twinkle_core.rl.sampler import PolicySampler, SamplingSettings
 from twinkle_core.models.multi_lora import MultiLoraTransformersModel
+from twinkle_core.rl.sampler import PolicySampler, SamplingSettings
 from twinkle_core.service.losses import check_inputs, loss_sum
 from twinkle_core.service.wire import ForwardBackwardIn
 
 LORA_ALPHA = 32  # Tinker's LoRA scale is alpha/rank with a fixed alpha
+OPTIMIZER_FILE = "optimizer.pt"
 
 
 @dataclass
@@ -76,6 +81,54 @@ class TinkerEngine:
         self.optimizers.pop(name, None)
         for sampler_id in [k for k, (tenant, _) in self.samplers.items() if tenant == name]:
             del self.samplers[sampler_id]
+
+    # ----- checkpoints -----------------------------------------------------------------------------
+    def save_state(self, name: str, directory: str) -> None:
+        """`directory`: tenant `name`'s adapter as a plain PEFT folder (it loads on the HF base with
+        PeftModel.from_pretrained) and its AdamW state (optimizer.pt). Rank 0 writes; the ranks hold the same."""
+        if name not in self.optimizers:
+            raise UserError(f"model {name!r} is not on this server")
+        rank, world = _rank_and_world()
+        if rank == 0:
+            target = Path(directory)
+            with atomic_dir(target) as tmp:
+                self.model.save("adapter", tmp, adapter_name=name)
+                torch.save(self.optimizers[name].state_dict(), tmp / OPTIMIZER_FILE)
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def create_from_state(self, name: str, directory: str, optimizer: bool) -> None:
+        """A new training model with the saved state's rank, weights and (with `optimizer`) AdamW state."""
+        config = LoraConfig.from_pretrained(str(Path(directory) / "adapter"))
+        self.create(name, int(config.r))
+        try:
+            self.load_state(name, directory, optimizer)
+        except Exception:
+            self.remove(name)
+            raise
+
+    def load_state(self, name: str, directory: str, optimizer: bool) -> None:
+        """Tenant `name` takes the saved adapter weights; with `optimizer`, the saved AdamW state too, else a
+        fresh one. Its gradients are cleared."""
+        if name not in self.optimizers:
+            raise UserError(f"model {name!r} is not on this server")
+        source = Path(directory)
+        config = LoraConfig.from_pretrained(str(source / "adapter"))
+        own = self.model.slots.get(name, "load_state").config
+        if config.r != own.r:
+            raise UserError(f"the saved state has LoRA rank {config.r}, this training model {own.r}; create the "
+                            "training model from the state instead (create_training_client_from_state)")
+        weights = load_file(str(source / "adapter" / "adapter_model.safetensors"))
+        result = set_peft_model_state_dict(self.model.model, weights, adapter_name=name)
+        missing = [k for k in result.missing_keys if adapter_of(k) == name]
+        if missing:
+            raise UserError(f"the saved state lacks {len(missing)} of this model's adapter weights (e.g. {missing[0]})")
+        self.optimizers[name] = torch.optim.AdamW(self.model.tenant_parameters(name), lr=1e-4)
+        if optimizer:
+            self.optimizers[name].load_state_dict(torch.load(source / OPTIMIZER_FILE, weights_only=True))
+        self.optimizers[name].zero_grad(set_to_none=True)
 
     # ----- sampling ----------------------------------------------------------------------------------
     def save_sampler(self, name: str, sampler_id: str) -> None:

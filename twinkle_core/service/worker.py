@@ -24,7 +24,8 @@ from twinkle_core.launch import WorkerError, run_streaming, torchrun_command
 logger = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "TWINKLE_SERVICE_AUTHKEY"
-CALLS = ("forward_backward", "create", "remove", "optim_step", "save_sampler", "drop_sampler", "sample")
+CALLS = ("forward_backward", "create", "remove", "optim_step", "save_sampler", "drop_sampler", "sample",
+         "save_state", "load_state", "create_from_state")
 
 
 class RemoteEngine:

@@ -1,8 +1,9 @@
 """The training service driven by the official `tinker` SDK (the client nobody here wrote), on a tiny Llama.
 
 Tolerances (fp32): the service against a hand-written PEFT + torch AdamW loop on the same seed, logprobs
-within 1e-5 after 3 steps (measured <= 2e-6); a tenant in a mixed batch against the same request alone,
-1e-5 (measured ~1e-7: rows are padded to another length); 2 worker processes against 1, 1e-5 relative.
+within 1e-5 after 3 steps; against TransformersModel's own steps on the same chat rows, per-step losses
+within 1e-5 relative; a tenant in a mixed batch against the same request alone, 1e-5 (rows are padded to
+another length); 2 worker processes against 1, 1e-5 relative; a resumed state against training on, 1e-5.
 """
 from __future__ import annotations
 
@@ -350,4 +351,81 @@ def test_saved_states_resume_exactly_with_their_optimizer_and_stay_the_keys_own(
     with pytest.raises(tinker.NotFoundError, match="not found"):
         other.create_training_client_from_state(path).result()
     other.close("success").result()
+    client.close("success").result()
+
+
+def _chat_datums(tokenizer, rows) -> list[types.Datum]:
+    """cookbook-style supervised datums from the project's chat rows: assistant-only weights."""
+    from twinkle_core.data import encode_chat
+
+    datums = []
+    for row in rows:
+        example = encode_chat(tokenizer, row["messages"])
+        ids, labels = list(example["input_ids"]), list(example["labels"])
+        weights = np.array([float(label != -100) for label in labels[1:]], dtype=np.float32)
+        datums.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                                  loss_fn_inputs={"target_tokens": np.array(ids[1:]), "weights": weights}))
+    return datums
+
+
+def test_a_supervised_loop_equals_transformers_model_step_for_step(service, tiny_model_dir):
+    """tinker-cookbook's sl_loop shape on the project's chat rows; the same steps on TransformersModel."""
+    from peft import LoraConfig
+
+    from tiny_models import SAMPLE_ROWS
+    from twinkle_core.models import TransformersModel
+
+    app, url = service
+    client = _client(url, "tml-kim")
+    training = client.create_lora_training_client(base_model=NAME, rank=4, seed=13).result()
+    data = _chat_datums(training.get_tokenizer(), SAMPLE_ROWS)
+    trained = sum(float(d.loss_fn_inputs["weights"].to_numpy().sum()) for d in data)
+    served = []
+    for _ in range(4):
+        result = training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12)).result()
+        served.append(result.metrics["loss:sum"] / trained)  # Tinker sums; TransformersModel means
+    local = TransformersModel(str(tiny_model_dir), mixed_precision="no")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(13)
+        local.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=32, lora_dropout=0.0))
+    local.set_optimizer("AdamW", lr=1e-2, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+    reference = []
+    for _ in range(4):
+        reference.append(local.forward_backward(inputs=SAMPLE_ROWS))
+        local.clip_grad_and_step(max_grad_norm=None)
+    assert served[-1] < served[0]
+    np.testing.assert_allclose(served, reference, rtol=1e-5)
+    client.close("success").result()
+
+
+def test_an_rl_loop_raises_the_mean_reward(service):
+    """tinker-cookbook's rl_loop shape: sample a group per prompt, reward, group-relative advantages,
+    importance_sampling. Toy reward: the share of even token ids in the completion (about 0.5 by chance)."""
+    app, url = service
+    client = _client(url, "tml-lee")
+    training = client.create_lora_training_client(base_model=NAME, rank=8, seed=17).result()
+    prompts, group, length = [[5, 6, 7, 8], [40, 41, 42]], 8, 6
+    rewards = []
+    for iteration in range(10):
+        sampler = training.save_weights_and_get_sampling_client().result()
+        futures = [sampler.sample(types.ModelInput.from_ints(p), group, types.SamplingParams(
+            max_tokens=length, temperature=1.0, stop=[], seed=100 * iteration + i)) for i, p in enumerate(prompts)]
+        data, batch_rewards = [], []
+        for prompt, future in zip(prompts, futures):
+            sequences = future.result().sequences
+            scores = np.array([np.mean([t % 2 == 0 for t in s.tokens]) for s in sequences])
+            batch_rewards.extend(scores)
+            for sequence, advantage in zip(sequences, scores - scores.mean()):
+                tokens, n_prompt = prompt + sequence.tokens, len(prompt) - 1
+                data.append(types.Datum(
+                    model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": np.array(tokens[1:]),
+                        "logprobs": np.array([0.0] * n_prompt + sequence.logprobs, dtype=np.float32),
+                        "advantages": np.array([0.0] * n_prompt + [advantage] * len(sequence.tokens), dtype=np.float32)}))
+        rewards.append(float(np.mean(batch_rewards)))
+        training.forward_backward(data, "importance_sampling")
+        training.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.06, rewards
     client.close("success").result()

@@ -556,7 +556,7 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
             raise ApiError(400, "only token chunks are supported by this server (a text-only base model)") from None
         args = {"sampler_id": sampler_id, "prompt": prompt, "num_samples": body.num_samples, "max_tokens": max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                "seed": params.seed, "stop_tokens": None if stop is None else [int(t) for t in stop],
+                "seed": params.seed if params.seed is not None else secrets.randbits(31), "stop_tokens": None if stop is None else [int(t) for t in stop],
                 "prompt_logprobs": bool(body.prompt_logprobs)}
 
         def encoded(result, error):

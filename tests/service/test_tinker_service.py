@@ -429,3 +429,87 @@ def test_an_rl_loop_raises_the_mean_reward(service):
         training.optim_step(types.AdamParams(learning_rate=3e-2)).result()
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.06, rewards
     client.close("success").result()
+
+
+def test_a_state_saved_before_a_restart_trains_on_after_it(service, tiny_model_dir):
+    app, url = service
+    client = _client(url, "tml-mike")
+    training = client.create_lora_training_client(base_model=NAME, rank=4, seed=21).result()
+    data = [_datum(t, 2) for t in ROWS]
+
+    def losses(trainer, steps):
+        out = []
+        for _ in range(steps):
+            out.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+            trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        return out
+
+    losses(training, 2)
+    path = training.save_state("before-restart").result().path
+    continued = losses(training, 3)
+    client.close("success").result()
+    state_dir = app.state.service.config.state_dir
+    # A new server process tree on the same --state-dir: nothing of the first one is in memory.
+    config = ServiceConfig(model_id=str(tiny_model_dir), model_name=NAME, tokenizer_id=str(tiny_model_dir),
+                           mixed_precision="no", max_length=64, state_dir=state_dir)
+    server, thread, _, url_two = _serve(config)
+    try:
+        again = _client(url_two, "tml-mike")
+        resumed = again.create_training_client_from_state_with_optimizer(path).result()
+        np.testing.assert_allclose(losses(resumed, 3), continued, rtol=1e-5)
+        # a damaged state is refused with the file named, not loaded
+        folder = next(state_dir.rglob("before-restart"))
+        (folder / "optimizer.pt").write_bytes(b"truncated")
+        with pytest.raises(Exception, match="damaged.*optimizer.pt"):
+            again.create_training_client_from_state_with_optimizer(path).result()
+        again.close("success").result()
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def test_bad_request_table_while_another_client_trains(service):
+    """Requests the SDK would never send (malformed, oversized, unauthenticated) get their 4xx and message,
+    sent as raw HTTP; a client training meanwhile through the SDK is not disturbed."""
+    import httpx
+
+    app, url = service
+    worker = _client(url, "tml-nina")
+    trainer = worker.create_lora_training_client(base_model=NAME, rank=2, seed=1).result()
+    done, errors = [], []
+
+    def train():
+        try:
+            for _ in range(6):
+                trainer.forward_backward([_datum(ROWS[1], 2)], "cross_entropy").result()
+                trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+                done.append(1)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    key = {"X-API-Key": "tml-oscar"}
+    session = httpx.post(f"{url}/api/v1/create_session", headers=key,
+                         json={"tags": [], "user_metadata": None, "sdk_version": "0"}).json()["session_id"]
+    cases = [
+        ("no key", "post", "create_session", {}, {"tags": []}, 401, "API key"),
+        ("not JSON", "post", "create_session", key, b"{oops", 400, "not JSON"),
+        ("missing field", "post", "create_model", key, {"session_id": session}, 400, "malformed CreateModelRequest"),
+        ("unknown session", "post", "create_model", key,
+         {"session_id": "s0", "model_seq_id": 0, "base_model": NAME, "lora_config": {"rank": 2}}, 404, "not found"),
+        ("not protobuf", "post", "forward_backward", key, b"\xff\xfe not a protobuf", 400, "not a ForwardBackwardRequest"),
+        ("too large", "post", "forward_backward", key, b"x" * (2 << 20), 413, "over this server's limit"),
+        ("unknown future", "post", "retrieve_future", key, {"request_id": "nope"}, 404, "not found"),
+        ("not supported", "post", "save_weights_external", key, {}, 400, "not supported by this server"),
+    ]
+    for name, method, path, headers, body, status, message in cases:
+        content = body if isinstance(body, bytes) else None
+        response = httpx.request(method, f"{url}/api/v1/{path}", headers=headers, content=content,
+                                 json=None if content is not None else body, timeout=30)
+        assert response.status_code == status, (name, response.text)
+        assert message in response.json()["detail"], (name, response.text)
+        assert response.headers.get("x-should-retry") == "false", name
+    thread.join(120)
+    assert not errors and len(done) == 6
+    worker.close("success").result()

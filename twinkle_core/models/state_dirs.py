@@ -44,9 +44,7 @@ def remove_partial(checkpoint_dir: str | Path) -> None:
 def finish_state(partial: Path, progress: dict, keep: int) -> Path:
     """Write progress and the manifest into a fully written `partial`, publish it, keep the newest `keep`."""
     (partial / PROGRESS_FILE).write_text(json.dumps(progress, indent=2))
-    files = sorted(p for p in partial.rglob("*") if p.is_file())
-    manifest = {str(p.relative_to(partial)): hash_file(p) for p in files}
-    (partial / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+    write_manifest(partial)
     final = partial.parent / partial.name[1:].removesuffix(".partial")
     if final.exists():  # the same step again (a resumed run re-saving): replace it
         shutil.rmtree(final)
@@ -54,6 +52,13 @@ def finish_state(partial: Path, progress: dict, keep: int) -> Path:
     for old in saved_states(partial.parent.parent)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def write_manifest(folder: Path) -> None:
+    """The sha256 of every file in `folder`, written last (`damage` checks a folder against it)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    manifest = {str(p.relative_to(folder)): hash_file(p) for p in files}
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
 
 
 def saved_states(checkpoint_dir: str | Path) -> list[Path]:

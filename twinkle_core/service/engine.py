@@ -28,6 +28,7 @@ from twinkle_core.errors import UserError
 from twinkle_core.models.lora_routing import BASE_ONLY, RowGroup
 from twinkle_core.models.tenants import adapter_of
 from twinkle_core.models.multi_lora import MultiLoraTransformersModel
+from twinkle_core.models.state_dirs import MANIFEST_FILE, damage, write_manifest
 from twinkle_core.rl.sampler import PolicySampler, SamplingSettings
 from twinkle_core.service.losses import check_inputs, loss_sum
 from twinkle_core.service.wire import ForwardBackwardIn
@@ -91,9 +92,10 @@ class TinkerEngine:
         rank, world = _rank_and_world()
         if rank == 0:
             target = Path(directory)
-            with atomic_dir(target) as tmp:
+            with atomic_dir(target) as tmp:  # the checksummed layout of the flows' training states
                 self.model.save("adapter", tmp, adapter_name=name)
                 torch.save(self.optimizers[name].state_dict(), tmp / OPTIMIZER_FILE)
+                write_manifest(tmp)
         if world > 1:
             import torch.distributed as dist
 
@@ -115,6 +117,9 @@ class TinkerEngine:
         if name not in self.optimizers:
             raise UserError(f"model {name!r} is not on this server")
         source = Path(directory)
+        problem = damage(source) if (source / MANIFEST_FILE).is_file() else f"{MANIFEST_FILE} is missing"
+        if problem:
+            raise UserError(f"the saved state is damaged and was not loaded: {problem}")
         config = LoraConfig.from_pretrained(str(source / "adapter"))
         own = self.model.slots.get(name, "load_state").config
         if config.r != own.r:

@@ -513,3 +513,52 @@ def test_bad_request_table_while_another_client_trains(service):
     thread.join(120)
     assert not errors and len(done) == 6
     worker.close("success").result()
+
+
+def test_clients_in_parallel_threads_share_passes_and_each_trains_as_alone(service):
+    app, url = service
+    runner = app.state.service.runner
+    seeds, rounds = {"tml-p1": 31, "tml-p2": 32, "tml-p3": 33}, 3
+    rows = {"tml-p1": [ROWS[0]], "tml-p2": [ROWS[1], ROWS[2]], "tml-p3": [ROWS[2]]}
+
+    def run(key, trainer, barrier=None):
+        data, losses = [_datum(t, 2) for t in rows[key]], []
+        for _ in range(rounds):
+            if barrier is not None:
+                barrier.wait()  # the last round's steps are done
+                barrier.wait()  # the main thread holds the runner now
+            future = trainer.forward_backward(data, "cross_entropy")
+            if barrier is not None:
+                barrier.wait()  # every thread has submitted: the main thread lets the runner go
+            losses.append(future.result().metrics["loss:sum"])
+            trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        return losses
+
+    clients = {key: _client(url, key) for key in seeds}
+    alone = {key: run(key, clients[key].create_lora_training_client(base_model=NAME, rank=4, seed=seed).result())
+             for key, seed in seeds.items()}
+    for client in clients.values():
+        client.close("success").result()
+    clients = {key: _client(url, key) for key in seeds}
+    trainers = {key: clients[key].create_lora_training_client(base_model=NAME, rank=4, seed=seed).result()
+                for key, seed in seeds.items()}
+    barrier, together = threading.Barrier(len(seeds) + 1, timeout=120), {}
+    threads = [threading.Thread(target=lambda k=key: together.__setitem__(k, run(k, trainers[k], barrier)))
+               for key in seeds]
+    passes = runner.passes
+    for thread in threads:
+        thread.start()
+    for _ in range(rounds):
+        barrier.wait()
+        with runner.held():
+            barrier.wait()  # the threads submit
+            barrier.wait()
+            while runner.waiting() < len(seeds):
+                time.sleep(0.01)
+    for thread in threads:
+        thread.join(120)
+    assert runner.passes - passes == rounds  # 9 requests in 3 shared passes
+    for key in seeds:
+        np.testing.assert_allclose(together[key], alone[key], rtol=1e-5)
+    for client in clients.values():
+        client.close("success").result()

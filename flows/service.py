@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from twinkle_core.hub.models import resolve_model
-    from twinkle_core.service.app import ServiceConfig, create_app
+    from twinkle_service.app import ServiceConfig, create_app
 
     try:
         keys = _api_keys(args.api_keys_file)

@@ -18,9 +18,17 @@ def _imported_modules(path: Path) -> set[str]:
 def test_twinkle_core_never_imports_prefect_or_the_orchestration_layers():
     offenders = {}
     for path in (ROOT / "twinkle_core").rglob("*.py"):
-        bad = _imported_modules(path) & {"prefect", "flows", "tasks"}
+        bad = _imported_modules(path) & {"prefect", "flows", "tasks", "twinkle_service"}
         if bad:
             offenders[str(path.relative_to(ROOT))] = bad
+    assert offenders == {}
+
+
+def test_the_training_service_sits_beside_the_flows():
+    """twinkle_service is a layer above twinkle_core (an HTTP server and its model engine); only the flows'
+    command line starts it, and it uses no Prefect task or flow."""
+    offenders = {str(p.relative_to(ROOT)): bad for p in (ROOT / "twinkle_service").rglob("*.py")
+                 if (bad := _imported_modules(p) & {"prefect", "flows", "tasks"})}
     assert offenders == {}
 
 

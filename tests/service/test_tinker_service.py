@@ -19,7 +19,7 @@ import torch
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from twinkle_core.service.app import ServiceConfig, create_app  # noqa: E402
+from twinkle_service.app import ServiceConfig, create_app  # noqa: E402
 
 NAME = "tiny-llama"
 

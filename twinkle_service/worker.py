@@ -1,6 +1,6 @@
 """The service's worker tree: the model lives in worker processes, never in the HTTP process.
 
-`WorkerTree` starts `python -m twinkle_core.service.worker` (under torchrun for several processes) with the
+`WorkerTree` starts `python -m twinkle_service.worker` (under torchrun for several processes) with the
 project's launcher, so the tree dies with the server however it ends. Rank 0 connects back over a local
 authenticated socket (multiprocessing.connection), receives each call, broadcasts it to every rank, and
 sends the result back; every rank runs the same call on its own engine (its share of the rows; the
@@ -54,7 +54,7 @@ class WorkerTree:
         host, port = self._listener.address
         args = ["--model-id", model_id, "--max-tenants", str(max_tenants), "--max-rank", str(max_rank),
                 "--max-length", str(max_length), "--mixed-precision", mixed_precision, "--connect", f"{host}:{port}"]
-        module = "twinkle_core.service.worker"
+        module = "twinkle_service.worker"
         cmd = torchrun_command(module, args, nproc_per_node) if nproc_per_node > 1 else \
             [sys.executable, "-m", module, *args]
         self.exit_error: str | None = None
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         host, port = args.connect.rsplit(":", 1)
         conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
     try:
-        from twinkle_core.service.engine import TinkerEngine
+        from twinkle_service.engine import TinkerEngine
 
         engine = TinkerEngine(args.model_id, args.max_tenants, args.max_rank, args.max_length, args.mixed_precision)
     except Exception as exc:

@@ -30,8 +30,8 @@ from twinkle_core.models.tenants import adapter_of
 from twinkle_core.models.multi_lora import MultiLoraTransformersModel
 from twinkle_core.models.state_dirs import MANIFEST_FILE, damage, write_manifest
 from twinkle_core.rl.sampler import PolicySampler, SamplingSettings
-from twinkle_core.service.losses import check_inputs, loss_sum
-from twinkle_core.service.wire import ForwardBackwardIn
+from twinkle_service.losses import check_inputs, loss_sum
+from twinkle_service.wire import ForwardBackwardIn
 
 LORA_ALPHA = 32  # Tinker's LoRA scale is alpha/rank with a fixed alpha
 OPTIMIZER_FILE = "optimizer.pt"

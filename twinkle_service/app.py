@@ -27,9 +27,9 @@ from fastapi.responses import JSONResponse, Response
 from tinker import types
 from tinker.types.checkpoint import ParsedCheckpointTinkerPath
 
-from twinkle_core.service.runner import FORWARD_BACKWARD, EngineRunner, Job
-from twinkle_core.service.worker import RemoteEngine, WorkerTree
-from twinkle_core.service.wire import WireError, decode_forward_backward, encode_forward_backward, encode_sample
+from twinkle_service.runner import FORWARD_BACKWARD, EngineRunner, Job
+from twinkle_service.worker import RemoteEngine, WorkerTree
+from twinkle_service.wire import WireError, decode_forward_backward, encode_forward_backward, encode_sample
 
 logger = logging.getLogger(__name__)
 

@@ -93,6 +93,15 @@ FLOWS: dict[str, dict[str, Preset]] = {
              "num_generations": 8, "max_completion_length": 512, "grpo_loss_type": "dapo", "epsilon_high": 0.28,
              "max_steps": 500, "rewards": ["numeric_match"]}),
     },
+    "flows/service.py:service": {
+        "default": Preset("The training service (Tinker API) on the embedded default model, port 8000 on every "
+                          "interface of the worker's machine; clients use the tinker SDK with TINKER_BASE_URL.",
+                          {"host": "0.0.0.0"}),
+        "qwen2.5-7b": Preset(
+            "The training service on Qwen 2.5 7B Instruct in bf16 for up to 16 tenants of LoRA rank <= 32 (one GPU).",
+            {"model_id": "hf://Qwen/Qwen2.5-7B-Instruct", "precision": "bf16", "max_tenants": 16, "max_lora_rank": 32,
+             "host": "0.0.0.0"}),
+    },
     "flows/convert.py:convert_checkpoint": {
         "smollm2-to-megatron": Preset(
             "The embedded default model as a Megatron-Core dist checkpoint (cached by content hash).",

@@ -7,89 +7,104 @@
 A client (another shell, another machine):
 
     export TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-anything
-    python -c "import tinker; tc = tinker.ServiceClient().create_lora_training_client(base_model='NAME', rank=8)"
+    python -c "import tinker; tc = tinker.ServiceClient().create_lora_training_client(base_model='NAME', rank=8).result()"
 
 NAME is what the server prints at start (the model id unless --model-name gives another). Every API key
 of the form tml-... is its own tenant namespace unless --api-keys-file lists the keys allowed.
 `get_tokenizer()` resolves the tokenizer id the server reports: the model's local folder by default (a
 client on this machine loads it offline); give --tokenizer-id (e.g. a hub name) for clients elsewhere.
+The same server runs as the `service` Prefect flow (deployment `service/default`): the flow run lasts as
+long as the server, and cancelling it stops the server and its workers.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Literal
 
-from flows.cli import OptionParser
+from prefect import flow
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flows.cli import parse_args, report_user_errors
 from flows.params import DEFAULT_MODEL
+from twinkle_core.config.fields import ModelId
 from twinkle_core.errors import UserError
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = OptionParser(prog="python -m flows.service", description=__doc__.splitlines()[0])
-    parser.add_argument("--model-id", default=DEFAULT_MODEL, help="the base model (ms://, hf://, pkg://, a path)")
-    parser.add_argument("--model-name", help="the name clients pass as base_model (default: the model id)")
-    parser.add_argument("--tokenizer-id", help="what get_tokenizer() loads on the client (default: the local folder)")
-    parser.add_argument("--backend", default="transformers", choices=["transformers", "megatron"])
-    parser.add_argument("--max-tenants", type=int, default=8, help="training models held at once")
-    parser.add_argument("--max-lora-rank", type=int, default=64)
-    parser.add_argument("--max-length", type=int, default=4096, help="longest datum, in tokens")
-    parser.add_argument("--max-request-mb", type=int, default=64, help="largest request body")
-    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "no"])
-    parser.add_argument("--nproc-per-node", type=int, default=1, help="worker processes holding the model")
-    parser.add_argument("--state-dir", type=Path, default=Path("service-state"),
-                        help="where save_state writes (per API key); states outlive the server")
-    parser.add_argument("--api-keys-file", type=Path, help="allowed API keys, one per line (default: any tml-... key)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    args = parser.parse_args(argv)
-    for option in ("max_tenants", "max_lora_rank", "max_length", "max_request_mb", "nproc_per_node"):
-        if getattr(args, option) < 1:
-            parser.error(f"--{option.replace('_', '-')} must be >= 1")
-    if args.backend == "megatron":
-        parser.error("--backend megatron: the service runs on the transformers backend for now "
-                     "(MultiLoraMegatronModel is not wired to it yet)")
-    return args
+class ServiceOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model_id: ModelId = Field(DEFAULT_MODEL, description="The base model (ms://, hf://, pkg://, a local path).")
+    model_name: str | None = Field(None, description="The name clients pass as base_model (None: the model id).")
+    tokenizer_id: str | None = Field(None, description="What get_tokenizer() loads on the client (None: the "
+                                                       "model's local folder).")
+    backend: Literal["transformers", "megatron"] = Field("transformers", description="transformers (megatron: "
+                                                                                      "not wired to the service yet).")
+    max_tenants: int = Field(8, ge=1, description="Training models held at once.")
+    max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank a client may ask for.")
+    max_length: int = Field(4096, ge=2, description="Longest datum (or prompt + max_tokens), in tokens.")
+    max_request_mb: int = Field(64, ge=1, description="Largest request body, in MB.")
+    precision: Literal["auto", "bf16", "fp16", "no"] = Field("auto", description="Mixed precision of the model.")
+    nproc_per_node: int = Field(1, ge=1, description="Worker processes holding the model (torchrun beyond 1).")
+    state_dir: Path = Field(Path("service-state"), description="Where save_state writes, per API key; states "
+                                                              "outlive the server.")
+    api_keys_file: Path | None = Field(None, description="Allowed API keys, one per line (None: any tml-... key).")
+    host: str = Field("127.0.0.1", description="Address to listen on (0.0.0.0 for other machines).")
+    port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
+
+    @model_validator(mode="after")
+    def _backend(self) -> "ServiceOptions":
+        if self.backend == "megatron":
+            raise ValueError("backend megatron: the service runs on the transformers backend for now "
+                             "(MultiLoraMegatronModel is not wired to it yet)")
+        return self
 
 
 def _api_keys(path: Path | None) -> frozenset[str] | None:
     if path is None:
         return None
     if not path.is_file():
-        raise UserError(f"--api-keys-file {path}: no such file")
+        raise UserError(f"api_keys_file {path}: no such file")
     keys = frozenset(line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
     bad = sorted(k for k in keys if not k.startswith("tml-"))
     if not keys or bad:
-        raise UserError(f"--api-keys-file {path}: " + ("no keys" if not keys else
+        raise UserError(f"api_keys_file {path}: " + ("no keys" if not keys else
                         f"{len(bad)} key(s) do not start with 'tml-' (the SDK sends no other)"))
     return keys
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+def serve(options: ServiceOptions) -> None:
+    """Load the model into its worker tree and serve until stopped (Ctrl-C, SIGTERM, a cancelled flow run)."""
     import uvicorn
 
     from twinkle_core.hub.models import resolve_model
     from twinkle_service.app import ServiceConfig, create_app
 
-    try:
-        keys = _api_keys(args.api_keys_file)
-        path = resolve_model(args.model_id).path
-    except UserError as error:
-        print(f"service: {error}", file=sys.stderr)
-        return 1
-    config = ServiceConfig(model_id=args.model_id, model_name=args.model_name or args.model_id,
-                           tokenizer_id=args.tokenizer_id or str(path), max_tenants=args.max_tenants,
-                           max_lora_rank=args.max_lora_rank, max_length=args.max_length,
-                           max_request_bytes=args.max_request_mb << 20, api_keys=keys,
-                           mixed_precision=args.precision, nproc_per_node=args.nproc_per_node,
-                           state_dir=args.state_dir.resolve())
-    print(f"service: serving {config.model_name!r} on http://{args.host}:{args.port} "
-          f"(TINKER_BASE_URL; base_model={config.model_name!r})", flush=True)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
-    return 0
+    keys = _api_keys(options.api_keys_file)
+    path = resolve_model(options.model_id).path  # resolved (downloaded) here, once; the workers find it cached
+    name = options.model_name or options.model_id
+    config = ServiceConfig(model_id=options.model_id, model_name=name, tokenizer_id=options.tokenizer_id or str(path),
+                           max_tenants=options.max_tenants, max_lora_rank=options.max_lora_rank,
+                           max_length=options.max_length, max_request_bytes=options.max_request_mb << 20,
+                           api_keys=keys, mixed_precision=options.precision, nproc_per_node=options.nproc_per_node,
+                           state_dir=options.state_dir.resolve())
+    print(f"service: serving {name!r} on http://{options.host}:{options.port} "
+          f"(TINKER_BASE_URL; base_model={name!r})", flush=True)
+    uvicorn.run(create_app(config), host=options.host, port=options.port, log_level="warning")
+
+
+@flow(name="service", log_prints=True)
+def service(config: ServiceOptions) -> None:
+    """The training service as a flow run: it lasts as long as the server."""
+    serve(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    # A plain command line: no Prefect run (and no temporary Prefect server) around the server.
+    args = parse_args(ServiceOptions, argv, description=__doc__.splitlines()[0])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    return 0 if report_user_errors(lambda: serve(args.config) or {}, "service", args.debug) is not None else 1
 
 
 if __name__ == "__main__":

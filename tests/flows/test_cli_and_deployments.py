@@ -122,6 +122,23 @@ def test_deployment_presets_are_valid_flow_parameters():
     assert set(grpo) == {"default", "qwen2.5-math-grpo"}
     math = GRPOConfig.model_validate(grpo["qwen2.5-math-grpo"].parameters["config"])
     assert math.grpo_loss_type == "dapo" and math.reward_weights is None  # its own rewards, not the default's
+    from flows.service import ServiceOptions
+
+    served = {d.name: d for d in build_deployments() if d.flow_name == "service"}
+    assert set(served) == {"default", "qwen2.5-7b"}
+    assert ServiceOptions.model_validate(served["qwen2.5-7b"].parameters["config"]).max_lora_rank == 32
+
+
+def test_the_service_command_line_refuses_bad_options_before_loading_anything(capsys):
+    from flows.service import main
+
+    for argv, words in ((["--max-tenants", "0"], ["max_tenants", "greater than or equal to 1"]),
+                        (["--backend", "megatron"], ["transformers backend for now"])):
+        with pytest.raises(SystemExit) as err:
+            main(argv)
+        assert all(word in str(err.value) for word in words), str(err.value)
+    assert main(["--api-keys-file", "/nonexistent/keys"]) == 1
+    assert "api_keys_file /nonexistent/keys: no such file" in capsys.readouterr().err
 
 
 def test_multi_machine_flags_reach_the_parallel_config():

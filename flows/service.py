@@ -50,6 +50,7 @@ class ServiceOptions(BaseModel):
     state_dir: Path = Field(Path("service-state"), description="Where save_state writes, per API key; states "
                                                               "outlive the server.")
     api_keys_file: Path | None = Field(None, description="Allowed API keys, one per line (None: any tml-... key).")
+    track: bool = Field(True, description="Log each session as an MLflow run (MLFLOW_TRACKING_URI, else ./mlflow.db).")
     host: str = Field("127.0.0.1", description="Address to listen on (0.0.0.0 for other machines).")
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
 
@@ -79,6 +80,7 @@ def serve(options: ServiceOptions) -> None:
     import uvicorn
 
     from twinkle_core.hub.models import resolve_model
+    from twinkle_core.tracking.logger import tracking_uri
     from twinkle_service.app import ServiceConfig, create_app
 
     keys = _api_keys(options.api_keys_file)
@@ -88,7 +90,8 @@ def serve(options: ServiceOptions) -> None:
                            max_tenants=options.max_tenants, max_lora_rank=options.max_lora_rank,
                            max_length=options.max_length, max_request_bytes=options.max_request_mb << 20,
                            api_keys=keys, mixed_precision=options.precision, nproc_per_node=options.nproc_per_node,
-                           state_dir=options.state_dir.resolve())
+                           state_dir=options.state_dir.resolve(),
+                           tracking_uri=tracking_uri() if options.track else None)
     print(f"service: serving {name!r} on http://{options.host}:{options.port} "
           f"(TINKER_BASE_URL; base_model={name!r})", flush=True)
     uvicorn.run(create_app(config), host=options.host, port=options.port, log_level="warning")

@@ -28,6 +28,7 @@ from tinker import types
 from tinker.types.checkpoint import ParsedCheckpointTinkerPath
 
 from twinkle_service.runner import FORWARD_BACKWARD, EngineRunner, Job
+from twinkle_service.tracking import SessionRuns
 from twinkle_service.worker import RemoteEngine, WorkerTree
 from twinkle_service.wire import WireError, decode_forward_backward, encode_forward_backward, encode_sample
 
@@ -55,6 +56,7 @@ class ServiceConfig:
     mixed_precision: str = "auto"
     nproc_per_node: int = 1  # worker processes holding the model (torchrun beyond one)
     state_dir: Path = Path("service-state")  # saved training states, per key (they outlive the server)
+    tracking_uri: str | None = None  # each session an MLflow run there (None: no MLflow)
 
 
 @dataclass
@@ -70,6 +72,8 @@ class TrainingModel:
     session_id: str
     rank: int
     adapter: str  # the tenant's name in the engine (Tinker's model ids hold ':', adapter names may not)
+    tag: str = "train_0"  # its metrics' prefix in the session's MLflow run
+    steps: int = 0  # optim_steps so far
 
 
 @dataclass
@@ -101,6 +105,7 @@ class Service:
         self.futures: dict[str, Pending] = {}
         self.sampler_paths: dict[str, tuple[str, str]] = {}  # tinker:// path: (key, sampler id)
         self.sampling: dict[str, SamplingSession] = {}
+        self.runs = SessionRuns(config.tracking_uri, config.model_name) if config.tracking_uri else None
         self.loop: asyncio.AbstractEventLoop | None = None
 
     # ----- identity and ownership ------------------------------------------------------------------
@@ -166,7 +171,7 @@ class Service:
         if len(self.models) >= self.config.max_tenants:
             raise ApiError(400, f"this server holds --max-tenants={self.config.max_tenants} training models already; "
                                 "try again when a session ends")
-        self.models[model_id] = TrainingModel(key, session_id, rank, "t" + secrets.token_hex(8))
+        self.models[model_id] = TrainingModel(key, session_id, rank, "t" + secrets.token_hex(8), f"train_{model_seq_id}")
         session.models.add(model_id)
         return model_id
 
@@ -193,8 +198,14 @@ class Service:
             raise ApiError(404, f"sampling session {sampling_session_id!r} not found")
         return sampling
 
-    def end_session(self, session_id: str) -> None:
+    def track(self, model: TrainingModel, metrics: dict[str, float]) -> None:
+        if self.runs is not None:
+            self.runs.log(model.session_id, {f"{model.tag}.{k}": v for k, v in metrics.items()}, model.steps)
+
+    def end_session(self, session_id: str, status: str = "FINISHED") -> None:
         session = self.sessions.pop(session_id, None)
+        if session is not None and self.runs is not None:
+            self.runs.end(session_id, status)
         for model_id in sorted(session.models) if session else ():
             model = self.models.pop(model_id, None)
             for path in [p for p in self.sampler_paths if p.startswith(f"tinker://{model_id}/")]:
@@ -213,7 +224,7 @@ class Service:
             for session_id, session in list(self.sessions.items()):
                 if now - session.last_seen > self.config.session_timeout_s:
                     logger.info("session %s timed out; releasing %d model(s)", session_id, len(session.models))
-                    self.end_session(session_id)
+                    self.end_session(session_id, "KILLED")
 
 
 def _parse(model: type, body: dict):
@@ -316,9 +327,11 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
     @app.post(f"{API}/create_session")
     async def create_session(request: Request):
         key = service.key(request)
-        _parse(types.CreateSessionRequest, await _json(request, limit))
+        body = _parse(types.CreateSessionRequest, await _json(request, limit))
         session_id = "s" + secrets.token_hex(8)
         service.sessions[session_id] = Session(key, time.monotonic())
+        if service.runs is not None:
+            service.runs.start(session_id, key, body.sdk_version, body.user_metadata)
         return {"type": "create_session", "session_id": session_id}
 
     @app.post(f"{API}/session_heartbeat")
@@ -332,7 +345,9 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
     async def finish(session_id: str, request: Request):
         key = service.key(request)
         service.session(key, session_id)
-        service.end_session(session_id)
+        body = await _json(request, limit)
+        reason = (body.get("reason") or {}).get("type") if isinstance(body.get("reason"), dict) else None
+        service.end_session(session_id, {"errored": "FAILED", "interrupted": "KILLED"}.get(reason, "FINISHED"))
         return {}
 
     # ----- training models ------------------------------------------------------------------------
@@ -382,8 +397,14 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
         model_id, model = parsed.model_id, service.model(key, parsed.model_id)
         parsed.model_id = model.adapter
 
+        tokens = sum(len(datum.tokens) for datum in parsed.data)
+
         def encoded(result, error):
-            return None if error is not None else encode_forward_backward(*result)
+            if error is not None:
+                return None
+            if not parsed.forward_only:
+                service.track(model, {"loss_sum": result[1]["loss:sum"], "tokens": tokens})
+            return encode_forward_backward(*result)
 
         return service.submit(key, FORWARD_BACKWARD, model.adapter, parsed, encoded, model_id)
 
@@ -405,9 +426,14 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
             raise ApiError(400, f"optimizer params of type {getattr(params, 'type', '?')!r}: this server steps AdamW")
         args = {"name": model.adapter, **params.model_dump(include={"learning_rate", "beta1", "beta2", "eps",
                                                                       "weight_decay", "grad_clip_norm"})}
-        return service.submit(key, "optim_step", model.adapter, args,
-                              lambda result, error: None if error else {"type": "optim_step", "metrics": result},
-                              body.model_id)
+        def stepped(result, error):
+            if error is not None:
+                return None
+            model.steps += 1
+            service.track(model, {"grad_norm": result["grad_norm:mean"], "learning_rate": params.learning_rate})
+            return {"type": "optim_step", "metrics": result}
+
+        return service.submit(key, "optim_step", model.adapter, args, stepped, body.model_id)
 
     # ----- training states ----------------------------------------------------------------------------
     @app.post(f"{API}/save_weights")

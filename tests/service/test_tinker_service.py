@@ -46,7 +46,8 @@ def service(tiny_model_dir, tmp_path_factory):
     os.environ["TINKER_TELEMETRY"] = "0"
     config = ServiceConfig(model_id=str(tiny_model_dir), model_name=NAME, tokenizer_id=str(tiny_model_dir),
                            mixed_precision="no", max_tenants=3, max_lora_rank=8, max_length=64,
-                           max_request_bytes=1 << 20, state_dir=tmp_path_factory.mktemp("state"))
+                           max_request_bytes=1 << 20, state_dir=tmp_path_factory.mktemp("state"),
+                           tracking_uri=f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}")
     server, thread, app, url = _serve(config)
     yield app, url
     server.should_exit = True
@@ -120,7 +121,21 @@ def test_sdk_training_equals_a_hand_written_peft_loop(service, tiny_model_dir):
     reference = _reference_logprobs(tiny_model_dir, seed=7, rank=4, steps=3, lr=1e-2)
     for out, ref in zip(after.loss_fn_outputs, reference):
         np.testing.assert_allclose(out["logprobs"].to_numpy(), ref, atol=1e-5)
+    session_id = client.holder.get_session_id()
     client.close("success").result()
+    # the session is an MLflow run with every step's loss, finished when the client closed
+    from mlflow import MlflowClient
+
+    runs = app.state.service.runs
+    runs.flush()
+    mlflow = MlflowClient(runs.uri)
+    run = mlflow.get_run(runs.run_id(session_id))
+    assert run.info.status == "FINISHED" and run.data.tags["twinkle.base_model_id"] == NAME
+    assert "tml-alice" not in str(run.data.tags)  # only a hash of the key
+    logged = [m.value for m in sorted(mlflow.get_metric_history(run.info.run_id, "train_0.loss_sum"),
+                                      key=lambda m: m.step)]
+    np.testing.assert_allclose(logged, losses, rtol=1e-6)
+    assert [m.step for m in mlflow.get_metric_history(run.info.run_id, "train_0.grad_norm")] == [1, 2, 3]
 
 
 def test_policy_gradient_losses_follow_tinkers_definitions(service):

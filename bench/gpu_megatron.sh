@@ -7,8 +7,11 @@
 # ships only as source (transformer-engine-torch, 240 kB), compiled on the machine against its torch.
 # TE 2.11 is the newest inside megatron-core 0.16's tested range (>= 2.9, < 2.12).
 #
-# Steps (run from the repository root):
-#   1. here, once:          bash bench/gpu_megatron.sh stage
+# With the package index reachable from the GPU machine, one step (from the repository root):
+#        OUT=gpu-results bash bench/gpu_megatron.sh online
+#
+# Without it (run from the repository root):
+#   1. on a machine with the index, once:   bash bench/gpu_megatron.sh stage
 #        -> .gpu-stage/1, .gpu-stage/2: TE core parts; .gpu-stage/3: the last part, the small wheels, the TE
 #           torch source, checksums (.gpu-stage/ is listed in .git/info/exclude: copy it to the GPU machine with the tree)
 #   2. on the machine with the GPU, one after the other:
@@ -85,7 +88,10 @@ run() {
   mkdir -p "$out"
   log="$out/setup.log"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$log"
-  if ! install_wheels >> "$log" 2>&1; then
+  if [ "${1:-}" = online ]; then  # the package index is reachable: TE builds its torch binding in pip
+    python3 -m pip install -q "megatron-core==${MCORE_VERSION}" "transformer-engine[pytorch]==${TE_VERSION}" pydantic \
+      >> "$log" 2>&1 || { echo "setup failed (tail of $log):"; tail -25 "$log"; }
+  elif ! install_wheels >> "$log" 2>&1; then
     echo "setup failed (tail of $log):"; tail -25 "$log"
   fi
   export PYTHONPATH="$SITE:${PYTHONPATH:-}"
@@ -102,6 +108,7 @@ case "${1:-}" in
   stage) stage ;;
   receive) receive "${2:?receive needs the part number: 1 or 2}" ;;
   run) run ;;
+  online) run online ;;
   -h|--help|"") usage ;;
   *) echo "unknown step '$1'"; usage; exit 2 ;;
 esac

@@ -175,6 +175,15 @@ class Service:
         session.models.add(model_id)
         return model_id
 
+    def made(self, model_id: str, response: dict):
+        """The result callback of a job that creates a training model: its response, or the slot given back."""
+        def done(result, error):
+            if error is not None:
+                self.forget_model(model_id)
+                return None
+            return response
+        return done
+
     def forget_model(self, model_id: str) -> None:
         model = self.models.pop(model_id, None)
         if model is not None and model.session_id in self.sessions:
@@ -369,15 +378,10 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
         model_id = service.new_model(key, session, body.session_id, body.model_seq_id, lora.rank)
         adapter = service.models[model_id].adapter
 
-        def created(result, error):
-            if error is not None:  # the slot was not taken: forget the model
-                service.forget_model(model_id)
-                return None
-            return {"type": "create_model", "model_id": model_id}
-
         args = {"name": adapter, "rank": lora.rank, "seed": lora.seed, "train_attn": lora.train_attn,
                 "train_mlp": lora.train_mlp}
-        return service.submit(key, "create", adapter, args, created, model_id)
+        return service.submit(key, "create", adapter, args,
+                              service.made(model_id, {"type": "create_model", "model_id": model_id}), model_id)
 
     @app.post(f"{API}/get_info")
     async def get_info(request: Request):
@@ -473,14 +477,9 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
         model_id = service.new_model(key, session, body.session_id, body.model_seq_id, rank)
         adapter = service.models[model_id].adapter
 
-        def loaded(result, error):
-            if error is not None:
-                service.forget_model(model_id)
-                return None
-            return {"type": "load_weights", "path": body.path, "model_id": model_id}
-
         args = {"name": adapter, "directory": str(directory), "optimizer": body.optimizer}
-        return service.submit(key, "create_from_state", adapter, args, loaded, model_id)
+        return service.submit(key, "create_from_state", adapter, args, service.made(
+            model_id, {"type": "load_weights", "path": body.path, "model_id": model_id}), model_id)
 
     # ----- sampling ---------------------------------------------------------------------------------
     @app.post(f"{API}/save_weights_for_sampler")

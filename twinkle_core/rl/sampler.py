@@ -104,12 +104,12 @@ class PolicySampler:
         rows = torch.arange(logits.shape[0], device=logits.device)  # each live row's index in the output
         written = torch.full((logits.shape[0], settings.max_new_tokens), self.pad, dtype=torch.long,
                              device=logits.device)
-        lengths = torch.zeros(logits.shape[0], dtype=torch.long)
+        lengths = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)  # no host sync per token
         eos = torch.tensor(sorted(self.eos), device=logits.device)
         for step in range(settings.max_new_tokens):
             tokens = settings.pick(logits)
             written[rows, step] = tokens
-            lengths[rows.cpu()] = step + 1
+            lengths[rows] = step + 1
             live = ~torch.isin(tokens, eos)
             if step + 1 == settings.max_new_tokens or not bool(live.any()):
                 break
@@ -121,7 +121,7 @@ class PolicySampler:
             logits = self._last_logits(tokens[:, None], mask, position[:, None], cache)
             position = position + 1
         written = written.cpu()
-        return [written[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
+        return [written[i, :n].tolist() for i, n in enumerate(lengths.cpu().tolist())]
 
     def _last_logits(self, input_ids, mask, positions, cache) -> torch.Tensor:
         """fp32 logits of each row's last position (the output layer runs only there), the cache extended."""

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run run-embedding run-dpo run-grpo test test-fast bench bench-lora bench-grpo bench-embedding bench-dpo bench-vision bench-data clean
+.PHONY: install run run-embedding run-dpo run-grpo test test-fast bench bench-lora bench-grpo bench-embedding bench-dpo bench-vision bench-data bench-service clean
 
 install: $(STAMP)
 
@@ -70,6 +70,10 @@ bench-vision: install
 # Tokenisation at scale against HF datasets (generated chat sets and text corpora up to ~1 GB; ~20 minutes).
 bench-data: install
 	$(BIN)/python bench/bench_data.py
+
+# The training service under load: 4 Tinker SDK clients at once / one after another against local training (~5 minutes).
+bench-service: install
+	$(BIN)/python bench/bench_service.py
 
 clean:
 	rm -rf runs mlflow.db mlartifacts

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import re
 import logging
@@ -27,8 +26,9 @@ from fastapi.responses import JSONResponse, Response
 from tinker import types
 from tinker.types.checkpoint import ParsedCheckpointTinkerPath
 
+from twinkle_core.tracking.model_logging import BaseModelRef
 from twinkle_service.runner import FORWARD_BACKWARD, EngineRunner, Job
-from twinkle_service.tracking import SessionRuns
+from twinkle_service.tracking import SessionRuns, key_hash
 from twinkle_service.worker import RemoteEngine, WorkerTree
 from twinkle_service.wire import WireError, decode_forward_backward, encode_forward_backward, encode_sample
 
@@ -38,6 +38,7 @@ API = "/api/v1"
 POLL_WAIT_S = 20.0
 FUTURE_TTL_S = 600.0
 PROTO = "application/x-protobuf"
+REGISTER_KEY = "twinkle.register"  # save_weights_for_sampler(name, user_metadata={REGISTER_KEY: "MODEL"})
 KEY_PREFIX = "tml-"  # the SDK refuses other keys before sending anything
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")  # a saved state's or sampler's name
 
@@ -57,6 +58,8 @@ class ServiceConfig:
     nproc_per_node: int = 1  # worker processes holding the model (torchrun beyond one)
     state_dir: Path = Path("service-state")  # saved training states, per key (they outlive the server)
     tracking_uri: str | None = None  # each session an MLflow run there (None: no MLflow)
+    base_path: str | None = None  # the base's local folder and content hash: a registered adapter names them
+    base_content_hash: str = ""
 
 
 @dataclass
@@ -74,6 +77,7 @@ class TrainingModel:
     adapter: str  # the tenant's name in the engine (Tinker's model ids hold ':', adapter names may not)
     tag: str = "train_0"  # its metrics' prefix in the session's MLflow run
     steps: int = 0  # optim_steps so far
+    last_loss: float | None = None  # the last cross_entropy forward_backward's loss per unit of weight
 
 
 @dataclass
@@ -189,17 +193,20 @@ class Service:
         if model is not None and model.session_id in self.sessions:
             self.sessions[model.session_id].models.discard(model_id)
 
-    def state_dir(self, key: str, tinker_path: str) -> Path:
-        """Where a `tinker://MODEL/weights/NAME` state of this key lives; 404 unless it is the key's own."""
+    def state_dir(self, key: str, tinker_path: str, kind: str = "training") -> Path:
+        """Where a `tinker://MODEL/weights/NAME` state (kind "training") or `.../sampler_weights/NAME` (kind
+        "sampler") of this key lives: under the key's own folder, so another key's path never resolves."""
+        segment = {"training": "weights", "sampler": "sampler_weights"}[kind]
+        shape = f"tinker://MODEL_ID/{segment}/NAME"
         try:
             parsed = ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
         except ValueError:
-            raise ApiError(400, f"{tinker_path!r} is not a tinker://MODEL_ID/weights/NAME path") from None
+            raise ApiError(400, f"{tinker_path!r} is not a {shape} path") from None
         name = parsed.checkpoint_id.split("/", 1)[1]
-        if parsed.checkpoint_type != "training" or not _NAME.match(name):
-            raise ApiError(400, f"{tinker_path!r} is not a tinker://MODEL_ID/weights/NAME path")
-        owner = hashlib.sha256(key.encode()).hexdigest()[:16]  # a key's states sit apart from every other key's
-        return self.config.state_dir / owner / quote(parsed.training_run_id, safe="") / name
+        if parsed.checkpoint_type != kind or not _NAME.match(name):
+            raise ApiError(400, f"{tinker_path!r} is not a {shape} path")
+        owner = key_hash(key)  # a key's states sit apart from every other key's
+        return self.config.state_dir / owner / quote(parsed.training_run_id, safe="") / segment / name
 
     def sampling_session(self, key: str, sampling_session_id: str) -> SamplingSession:
         sampling = self.sampling.get(sampling_session_id)
@@ -402,12 +409,15 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
         parsed.model_id = model.adapter
 
         tokens = sum(len(datum.tokens) for datum in parsed.data)
+        weight = sum(float(datum.inputs["weights"].sum()) for datum in parsed.data if "weights" in datum.inputs)
 
         def encoded(result, error):
             if error is not None:
                 return None
             if not parsed.forward_only:
                 service.track(model, {"loss_sum": result[1]["loss:sum"], "tokens": tokens})
+                if parsed.loss_fn == "cross_entropy" and weight > 0:
+                    model.last_loss = result[1]["loss:sum"] / weight
             return encode_forward_backward(*result)
 
         return service.submit(key, FORWARD_BACKWARD, model.adapter, parsed, encoded, model_id)
@@ -492,10 +502,18 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
             if not _NAME.match(body.path):
                 raise ApiError(400, f"sampler weights name {body.path!r}: use 1-200 letters, digits, '_', '.', '-'")
             path = f"tinker://{body.model_id}/sampler_weights/{body.path}"
+            directory = service.state_dir(key, path, "sampler")
+            register_as = (body.user_metadata or {}).get(REGISTER_KEY)
+            if register_as is not None and (service.runs is None or not config.base_path):
+                raise ApiError(400, f"user_metadata {REGISTER_KEY}: this server keeps no MLflow registry (--track)")
 
             def saved(result, error):
                 if error is None:
                     service.sampler_paths[path] = (key, sampler_id)
+                    if register_as is not None:
+                        base = BaseModelRef(config.model_id, config.base_path, config.base_content_hash)
+                        service.runs.register(model.session_id, register_as, str(directory / "adapter"), base,
+                                             model.last_loss)
                     return {"type": "save_weights_for_sampler", "path": path}
         else:
             sampling_session_id = "p" + secrets.token_hex(8)
@@ -504,8 +522,9 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
                 if error is None:
                     service.sampling[sampling_session_id] = SamplingSession(key, sampler_id)
                     return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id}
-        return service.submit(key, "save_sampler", model.adapter, {"name": model.adapter, "sampler_id": sampler_id},
-                              saved, body.model_id)
+        args = {"name": model.adapter, "sampler_id": sampler_id,
+                "directory": str(directory) if body.path is not None else None}
+        return service.submit(key, "save_sampler", model.adapter, args, saved, body.model_id)
 
     @app.post(f"{API}/create_sampling_session")
     async def create_sampling_session(request: Request):

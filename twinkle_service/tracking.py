@@ -40,6 +40,11 @@ class SessionRuns:
     def end(self, session_id: str, status: str) -> None:
         self._queue.put(("end", session_id, status))
 
+    def register(self, session_id: str, name: str, checkpoint: str, base, loss: float | None) -> None:
+        """Register the adapter folder `checkpoint` as a version of `name`: the flows' chat model (adapter on
+        `base`), logged by a run of its own under the session's run; the lowest training loss is champion."""
+        self._queue.put(("register", session_id, (name, checkpoint, base, loss)))
+
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until everything queued so far is written (tests; shutdown)."""
         done = threading.Event()
@@ -78,5 +83,29 @@ class SessionRuns:
                                      metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
                 elif kind == "end" and session_id in self._runs:
                     client.set_terminated(self._runs[session_id], status=payload)
+                elif kind == "register":
+                    self._register(client, experiment, session_id, *payload)
             except Exception as exc:  # tracking is a record, not a reason to fail training
                 logger.warning("MLflow %s for session %s failed: %s", kind, session_id, exc)
+
+    def _register(self, client, experiment: str | None, session_id: str, name: str, checkpoint: str, base,
+                  loss: float | None) -> None:
+        from twinkle_core.tracking.model_logging import log_chat_model
+        from twinkle_core.tracking.registry import register_version
+
+        if experiment is None:
+            found = client.get_experiment_by_name(EXPERIMENT)
+            experiment = found.experiment_id if found else client.create_experiment(EXPERIMENT)
+        tags = {"twinkle.service.session": session_id, "twinkle.service.checkpoint": checkpoint}
+        if session_id in self._runs:
+            tags["mlflow.parentRunId"] = self._runs[session_id]
+        run_id = client.create_run(experiment, tags=tags, run_name=f"register-{name}").info.run_id
+        base_tags = log_chat_model(client, run_id, checkpoint, base, "adapter", "model")
+        score = float("inf") if loss is None else loss
+        if loss is not None:
+            client.log_metric(run_id, "train_loss", loss)
+        result = register_version(client, name, run_id, "model", score, metric="train_loss")
+        for key, value in base_tags.items():
+            client.set_model_version_tag(name, result.version, key, value)
+        client.set_terminated(run_id)
+        logger.info("registered %s as %s version %s (%s)", checkpoint, name, result.version, result.decision())

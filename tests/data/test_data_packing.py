@@ -104,7 +104,7 @@ def test_packing_is_refused_where_recurrent_layers_would_carry_one_sample_into_t
         alone = model(input_ids=torch.tensor([second["input_ids"]])).logits[0]
     assert (packed - alone).abs().max() > 1e-4  # the leak (attention-only models agree within 1e-5, above)
 
-    (tmp_path / "rows.jsonl").write_text("")
+    (tmp_path / "rows.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
     config = SFTConfig(model_id=str(folder), dataset=str(tmp_path / "rows.jsonl"), packing=True)
     problems = run_problems(config, AutoConfig.from_pretrained(folder))
     assert [p for p in problems if p.startswith("packing=True")] == [

@@ -176,7 +176,7 @@ def test_compile_is_refused_where_it_is_not_built(tiny_model_dir, tmp_path):
     from flows.sft import SFTConfig
     from twinkle_core.train.checks import run_problems
 
-    (tmp_path / "rows.jsonl").write_text("")
+    (tmp_path / "rows.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
     common = dict(model_id=str(tiny_model_dir), dataset=str(tmp_path / "rows.jsonl"), compile=True)
     assert not [p for p in run_problems(SFTConfig(**common)) if "compile" in p]
     with pytest.raises(ValueError, match="compile=True: compiled decoder layers are built and measured for one "

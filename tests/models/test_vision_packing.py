@@ -87,7 +87,7 @@ def test_packed_vision_rows_are_cached_and_read_back(tmp_path):
 def test_qwen3_5_vl_packing_is_refused_for_its_recurrent_layers(tmp_path):
     save, _, _ = VL_FAMILIES["qwen3_5_vl"]
     model_dir = save(tmp_path / "Qwen" / "Qwen3.5-VL-3B")
-    (tmp_path / "rows.jsonl").write_text("")
+    (tmp_path / "rows.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
     config = SFTConfig(model_id=str(model_dir), dataset=str(tmp_path / "rows.jsonl"), packing=True)
     assert config.objective == "vision_lm"
     problems = run_problems(config, AutoConfig.from_pretrained(model_dir))

@@ -47,7 +47,8 @@ def service(tiny_model_dir, tmp_path_factory):
     config = ServiceConfig(model_id=str(tiny_model_dir), model_name=NAME, tokenizer_id=str(tiny_model_dir),
                            mixed_precision="no", max_tenants=3, max_lora_rank=8, max_length=64,
                            max_request_bytes=1 << 20, state_dir=tmp_path_factory.mktemp("state"),
-                           tracking_uri=f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}")
+                           tracking_uri=f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}",
+                           base_path=str(tiny_model_dir), base_content_hash="tiny")
     server, thread, app, url = _serve(config)
     yield app, url
     server.should_exit = True
@@ -274,7 +275,7 @@ def test_two_worker_processes_equal_one(tiny_model_dir, service):
         thread.join(60)
 
 
-def test_sampling_is_greedy_exact_a_snapshot_and_scores_like_forward(service):
+def test_sampling_is_greedy_exact_a_snapshot_and_scores_like_forward(service, tiny_model_dir):
     app, url = service
     client = _client(url, "tml-grace")
     training = client.create_lora_training_client(base_model=NAME, rank=8, seed=3).result()
@@ -293,7 +294,7 @@ def test_sampling_is_greedy_exact_a_snapshot_and_scores_like_forward(service):
     for _ in range(8):
         training.forward_backward([_datum(prompt + [9, 10, 11], len(prompt))], "cross_entropy")
         training.optim_step(types.AdamParams(learning_rate=2e-2))
-    path = training.save_weights_for_sampler("trained").result().path
+    path = training.save_weights_for_sampler("trained", user_metadata={"twinkle.register": "tiny-service"}).result().path
     assert path.startswith("tinker://") and path.endswith("/sampler_weights/trained")
     trained = client.create_sampling_client(model_path=path).result()
     out = trained.sample(types.ModelInput.from_ints(prompt), 1, greedy, include_prompt_logprobs=True).result()
@@ -318,6 +319,16 @@ def test_sampling_is_greedy_exact_a_snapshot_and_scores_like_forward(service):
         scored = training.forward([_datum(prompt + sequence.tokens, 1)], "cross_entropy").result()
         np.testing.assert_allclose(sequence.logprobs, scored.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:],
                                    atol=1e-5)
+    # registered as the flows register a model: the adapter on its base, answering through pyfunc like the sampler
+    import mlflow
+
+    app.state.service.runs.flush(120)
+    mlflow.set_tracking_uri(app.state.service.runs.uri)
+    version = mlflow.MlflowClient().get_model_version_by_alias("tiny-service", "champion")
+    assert version.tags["twinkle.kind"] == "adapter" and version.tags["twinkle.base_model_id"] == str(tiny_model_dir)
+    served = mlflow.pyfunc.load_model("models:/tiny-service@champion")
+    assert isinstance(served.predict({"messages": [{"role": "user", "content": "hi"}]},
+                                     params={"max_new_tokens": 3})[0], str)
     # another key cannot sample these weights
     other = _client(url, "tml-heidi")
     with pytest.raises(tinker.NotFoundError, match="not found"):

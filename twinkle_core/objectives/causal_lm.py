@@ -42,13 +42,13 @@ class LossParts:
         return iter((self.loss_sum, self.num_tokens))
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under a PEFT wrapper (LoRA layers stay injected)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 
 
-def _has_plain_head(model: torch.nn.Module) -> bool:
+def has_plain_head(model: torch.nn.Module) -> bool:
     """True when logits are exactly output_layer(last_hidden_state) (no soft-capping or scaling)."""
     config = model.config
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
@@ -59,7 +59,7 @@ def _has_plain_head(model: torch.nn.Module) -> bool:
         return False
 
 
-def _backbone(base: torch.nn.Module) -> torch.nn.Module:
+def backbone(base: torch.nn.Module) -> torch.nn.Module:
     """The module whose last hidden state feeds the output layer. A vision-language model's `model` runs its
     vision tower and then its decoder; its get_decoder() is the text decoder alone, which ignores the pixels."""
     inner = getattr(base, "model", None)
@@ -86,7 +86,7 @@ def _router_balance(model: torch.nn.Module) -> tuple[Callable, int, int] | None:
 
 def resolve_router_aux_loss_coef(model: torch.nn.Module, requested: float | None = None) -> float:
     """The aux-loss coefficient to train with: `requested`, else the model config's; 0.0 means none."""
-    base = _unwrap(model)
+    base = unwrap(model)
     has_router_loss = _router_balance(base) is not None
     if requested is None:
         return float(getattr(base.config, "router_aux_loss_coef", 0.0) or 0.0) if has_router_loss else 0.0
@@ -118,9 +118,9 @@ def trained_hidden(model: torch.nn.Module, inputs: dict[str, torch.Tensor], sele
                                                                                           torch.nn.Module | None, Any]:
     """(last hidden states at the `selected` positions, the output layer, the model's outputs) when the logits are
     exactly output_layer(hidden); else (None, None, outputs) with the full logits in `outputs.logits`."""
-    base = _unwrap(model)
-    if _has_plain_head(base):
-        outputs = _backbone(base)(**inputs, use_cache=False, **(extra or {}))
+    base = unwrap(model)
+    if has_plain_head(base):
+        outputs = backbone(base)(**inputs, use_cache=False, **(extra or {}))
         return outputs.last_hidden_state[:, positions][selected], base.get_output_embeddings(), outputs
     return None, None, model(**inputs, use_cache=False, **(extra or {}))
 
@@ -141,7 +141,7 @@ def causal_lm_loss_sum(
     positions = slice(None) if shifted else slice(None, -1)  # the positions that predict a target
     selected = targets != IGNORE_INDEX
     num_tokens = int(selected.sum())
-    base = _unwrap(model)
+    base = unwrap(model)
     coef = resolve_router_aux_loss_coef(base, router_aux_loss_coef)
     balance = _router_balance(base) if coef else None
     extra = {"output_router_logits": True} if balance else {}

@@ -79,3 +79,51 @@ def fusable_head(head: torch.nn.Module) -> bool:
     if type(head) is not torch.nn.Linear or head.bias is not None:
         return False
     return type(head.weight) is torch.nn.Parameter or type(head.weight) is torch.Tensor
+
+
+class _LinearTargetLogProbs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T)[target] per row, a chunk of rows at a time; backward recomputes each
+    chunk's softmax from the saved log-sum-exp (memory: one chunk of logits, not [rows, vocab])."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, dtype):
+        w = weight.to(dtype)
+        accumulate = torch.promote_types(dtype, torch.float32)  # fp32 at least, as log_softmax(logits.float())
+        out = torch.empty(hidden.shape[0], dtype=accumulate, device=hidden.device)
+        lse = torch.empty_like(out)
+        for start in range(0, hidden.shape[0], chunk):
+            logits = (hidden[start:start + chunk].to(dtype) @ w.t()).to(accumulate)
+            lse[start:start + chunk] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, targets[start:start + chunk, None])[:, 0]
+            out[start:start + chunk] = picked - lse[start:start + chunk]
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        w = weight.to(ctx.dtype)
+        d_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        d_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[start:start + ctx.chunk].to(ctx.dtype)
+            g = grad_out[start:start + ctx.chunk].to(lse.dtype)
+            # d log p[t] / d logits = one-hot(t) - softmax
+            grad = torch.exp((h @ w.t()).to(lse.dtype) - lse[start:start + ctx.chunk, None]).mul_(-g[:, None])
+            grad[torch.arange(g.shape[0], device=g.device), targets[start:start + ctx.chunk]] += g
+            grad = grad.to(ctx.dtype)
+            if d_hidden is not None:
+                d_hidden[start:start + ctx.chunk] = grad @ w
+            if d_weight is not None:
+                d_weight += (grad.t() @ h).to(lse.dtype)
+        return d_hidden, None if d_weight is None else d_weight.to(weight.dtype), None, None, None
+
+
+def linear_target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                           chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """log_softmax(hidden @ weight.T)[row, targets[row]] for hidden [N, H], weight [V, H], targets [N]: the
+    per-token log-probabilities Tinker's losses take, with autograd, never holding [N, V] logits at once."""
+    chunk = max(1, chunk_elements // weight.shape[0])
+    return _LinearTargetLogProbs.apply(hidden, weight, targets, chunk, _compute_dtype(hidden))

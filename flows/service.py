@@ -32,6 +32,12 @@ from twinkle_core.config.fields import ModelId
 from twinkle_core.errors import UserError
 
 
+WHERE = ("It sits beside the flows, above twinkle_core: this process serves HTTP (twinkle_service) and holds no "
+         "model; the model lives in a worker tree started like the flows' training (torchrun with --nproc-per-node "
+         "> 1); each session is an MLflow run. Clients: the tinker SDK with TINKER_BASE_URL and TINKER_API_KEY=tml-...; "
+         "README section 'Training as a service (Tinker API)'.")
+
+
 class ServiceOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -84,14 +90,16 @@ def serve(options: ServiceOptions) -> None:
     from twinkle_service.app import ServiceConfig, create_app
 
     keys = _api_keys(options.api_keys_file)
-    path = resolve_model(options.model_id).path  # resolved (downloaded) here, once; the workers find it cached
+    resolved = resolve_model(options.model_id)  # resolved (downloaded) here, once; the workers find it cached
+    path = resolved.path
     name = options.model_name or options.model_id
     config = ServiceConfig(model_id=options.model_id, model_name=name, tokenizer_id=options.tokenizer_id or str(path),
                            max_tenants=options.max_tenants, max_lora_rank=options.max_lora_rank,
                            max_length=options.max_length, max_request_bytes=options.max_request_mb << 20,
                            api_keys=keys, mixed_precision=options.precision, nproc_per_node=options.nproc_per_node,
                            state_dir=options.state_dir.resolve(),
-                           tracking_uri=tracking_uri() if options.track else None)
+                           tracking_uri=tracking_uri() if options.track else None, base_path=str(path),
+                           base_content_hash=resolved.content_hash)
     print(f"service: serving {name!r} on http://{options.host}:{options.port} "
           f"(TINKER_BASE_URL; base_model={name!r})", flush=True)
     uvicorn.run(create_app(config), host=options.host, port=options.port, log_level="warning")
@@ -105,7 +113,7 @@ def service(config: ServiceOptions) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     # A plain command line: no Prefect run (and no temporary Prefect server) around the server.
-    args = parse_args(ServiceOptions, argv, description=__doc__.splitlines()[0])
+    args = parse_args(ServiceOptions, argv, description=__doc__.splitlines()[0] + " " + WHERE)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     return 0 if report_user_errors(lambda: serve(args.config) or {}, "service", args.debug) is not None else 1
 

@@ -12,6 +12,7 @@ import contextlib
 import difflib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -126,7 +127,9 @@ def report_user_errors(run: Callable[[], dict], name: str, debug: bool) -> dict 
     """`run()`; an error the user caused (bad id, data set, option...) is printed as its message alone and
     gives None. Without --debug the terminal shows no traceback for it; bugs keep theirs."""
     with contextlib.ExitStack() as stack:
-        if not debug:
+        if debug:
+            stack.enter_context(_worker_tracebacks())
+        else:
             stack.enter_context(_quiet_user_error_tracebacks())
         try:
             return run()
@@ -136,6 +139,20 @@ def report_user_errors(run: Callable[[], dict], name: str, debug: bool) -> dict 
                 raise
     print(f"\n{name} failed: {error}\n(--debug shows the traceback)", file=sys.stderr, flush=True)
     return None
+
+
+@contextlib.contextmanager
+def _worker_tracebacks():
+    """--debug: the workers keep the traceback of a user's error too (twinkle_core.entry), for this run only."""
+    previous = os.environ.get("TWINKLE_DEBUG")
+    os.environ["TWINKLE_DEBUG"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TWINKLE_DEBUG", None)
+        else:
+            os.environ["TWINKLE_DEBUG"] = previous
 
 
 class _DropUserErrorTracebacks(logging.Filter):

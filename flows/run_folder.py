@@ -16,6 +16,9 @@ from typing import Iterator
 
 from prefect.runtime import flow_run
 
+from twinkle_core.errors import user_error
+from twinkle_core.models.state_dirs import STATE_DIR
+
 FLOW_RUN_ID_FILE = "prefect_flow_run_id"
 PARAMETERS_FILE = "parameters.json"
 _RESUME: contextvars.ContextVar[Path | None] = contextvars.ContextVar("resume_folder", default=None)
@@ -56,15 +59,30 @@ def run_folder(output_dir: str, config=None) -> Path:
 
 def discard_bare_run_folder(flow, flow_run, state) -> None:
     """A flow's on_failure hook: a run that failed before writing anything (a bad id, data set or option)
-    leaves no folder behind. A folder holding anything else (logs, a training state) is kept for --resume."""
+    leaves no folder behind, nor does one a user's error stopped before its first training state (a reward
+    that raised in the workers: only the worker configs were written). A folder with a training state, or
+    with what a crash left (logs), is kept for --resume."""
     folder = _CREATED.pop(str(flow_run.id), None)
     if folder is None or not folder.is_dir():
         return
-    if any(path.is_file() and path.name not in (PARAMETERS_FILE, FLOW_RUN_ID_FILE) for path in folder.rglob("*")):
+    if _users_error(state) and not any((folder / STATE_DIR).glob("step-*")):
+        bare = [p for p in folder.rglob("*") if p.is_file() and not p.name.endswith("_config.json")
+                and p.name not in (PARAMETERS_FILE, FLOW_RUN_ID_FILE)]
+    else:
+        bare = [p for p in folder.rglob("*") if p.is_file() and p.name not in (PARAMETERS_FILE, FLOW_RUN_ID_FILE)]
+    if bare:
         return
     shutil.rmtree(folder, ignore_errors=True)
     with contextlib.suppress(OSError):
         folder.parent.rmdir()  # output_dir too, when this run was all it held
+
+
+def _users_error(state) -> bool:
+    try:
+        error = state.result(raise_on_failure=False)
+    except Exception:  # noqa: BLE001 - a result that cannot be read is not a user's error
+        return False
+    return isinstance(error, BaseException) and user_error(error) is not None
 
 
 def resume_parameters(folder: Path, kind: str) -> dict:

@@ -1,6 +1,7 @@
 """What every worker entry point (`python -m twinkle_core.<x> CONFIG.json`) does first."""
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -9,8 +10,30 @@ from pathlib import Path
 from typing import NoReturn
 
 
+USER_ERROR_MARK = "TWINKLE_USER_ERROR "  # twinkle_core.launch turns this line back into the user's error
+
+
+def report_user_errors_in_one_line() -> None:
+    """An uncaught UserError in this worker (a reward that raises, a bad image, a row the data cannot give)
+    ends it with one marked line, not a traceback: the launcher raises it again in the orchestrator, which
+    prints it once. TWINKLE_DEBUG=1 (the flows' --debug) keeps Python's traceback."""
+    previous = sys.excepthook
+
+    def hook(kind, error, trace):
+        from twinkle_core.errors import UserError
+
+        if isinstance(error, UserError) and not os.environ.get("TWINKLE_DEBUG"):
+            print(USER_ERROR_MARK + json.dumps({"kind": kind.__name__, "message": str(error)}), file=sys.stderr,
+                  flush=True)
+            return
+        previous(kind, error, trace)
+
+    sys.excepthook = hook
+
+
 def worker_config_path(argv: list[str] | None, usage: str) -> Path:
     """Set up worker logging and return the one CONFIG.json argument (exit 2 with `usage` otherwise)."""
+    report_user_errors_in_one_line()
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print(f"usage: {usage}", file=sys.stderr)

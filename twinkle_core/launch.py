@@ -7,6 +7,7 @@ worker tree also gets SIGTERM when the process that started it dies without clea
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -19,10 +20,16 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from twinkle_core.config.fields import check_launch
+from twinkle_core.entry import USER_ERROR_MARK
+from twinkle_core.errors import UserError
 
 
 class WorkerError(RuntimeError):
     """A worker process failed; the message carries the worker's own error."""
+
+
+class WorkerUserError(UserError):
+    """A worker ended on the user's error (its own UserError, reported in one line): the same message here."""
 
 
 def torchrun_command(module: str, args: Sequence[str], nproc_per_node: int = 1, rdzv_endpoint: str | None = None,
@@ -192,6 +199,7 @@ def run_streaming(cmd: Sequence[str], on_line: Callable[[str], None], timeout_s:
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
     tail: deque = deque(maxlen=400)
+    user_errors: list[str] = []
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while True:
@@ -204,11 +212,16 @@ def run_streaming(cmd: Sequence[str], on_line: Callable[[str], None], timeout_s:
                 continue
             if line is None:
                 break
+            if USER_ERROR_MARK in line:  # a worker's UserError: kept for the error below, not streamed
+                user_errors.append(json.loads(line.split(USER_ERROR_MARK, 1)[1])["message"])
+                continue
             tail.append(line)
             on_line(line)
         code = proc.wait()
     finally:
         if proc.poll() is None:
             _kill_tree(proc)
+    if code != 0 and user_errors:
+        raise WorkerUserError(user_errors[0])
     if code != 0:
         raise WorkerError(f"worker exited with code {code}:\n{_error_summary(tail)}")

@@ -72,6 +72,12 @@ AT_PARSE = [
      "dataset='{ws}/empty.jsonl': '{ws}/empty.jsonl' is empty"),
     ("pretrain-dataset-suffix", "pretrain", ["--dataset", "{ws}/corpus.csv"],
      "dataset='{ws}/corpus.csv': '{ws}/corpus.csv' is not one of .jsonl, .json, .parquet"),
+    ("truncated-weights", "sft", ["--model-id", "{ws}/truncated"],
+     "model id '{ws}/truncated' is damaged: model.safetensors is"),
+    ("no-weights", "dpo", ["--model-id", "{ws}/weightless"],
+     "model id '{ws}/weightless' is damaged: it has config.json but no weight files"),
+    ("no-tokenizer", "grpo", ["--model-id", "{ws}/tokenizerless"],
+     "model id '{ws}/tokenizerless' is damaged: no tokenizer files (tokenizer.json"),
 ]
 IN_FLOW = [
     ("no-usable-rows", "sft", ["--dataset", "{ws}/no_messages.jsonl"],
@@ -95,6 +101,13 @@ def _inputs(ws) -> None:
     for path in pickled.glob("*.safetensors"):
         path.unlink()
     (pickled / "pytorch_model.bin").write_bytes(b"not read")
+    truncated = save_tiny_model(root / "truncated", "llama")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # an interrupted download
+    weightless = save_tiny_model(root / "weightless", "llama")
+    (weightless / "model.safetensors").unlink()
+    tokenizerless = save_tiny_model(root / "tokenizerless", "llama")
+    (tokenizerless / "tokenizer.json").unlink()
     (root / "syntax.yaml").write_text("lr: 1e-4\nmax_steps: [3\n")
     (root / "list.yaml").write_text("- lr: 1e-4\n")
     (root / "latin1.yaml").write_bytes("experiment_name: caf\xe9\n".encode("latin-1"))
@@ -154,3 +167,26 @@ def test_debug_shows_the_traceback_of_a_users_error(sft_workspace):
         main(["--model-id", str(ws["model"]), "--dataset", str(ws["root"] / "no_messages.jsonl"),
               "--output-dir", str(ws["root"] / "runs"), "--debug"])
     assert not (ws["root"] / "runs").exists()
+
+
+def test_a_users_error_inside_the_training_workers_is_one_message(sft_workspace, capsys, monkeypatch):
+    """A reward function that raises runs in the torchrun workers: its RewardError reaches the command line as
+    the same one message (no traceback, exit 1), and the run leaves no folder behind."""
+    ws = sft_workspace
+    monkeypatch.setattr(logging, "raiseExceptions", False)
+    root = ws["root"]
+    (root / "user_rewards.py").write_text("def boom(prompts, completions, **kwargs):\n"
+                                          "    raise ValueError('the judge is offline')\n")
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv("PYTHONPATH", str(root))  # the workers import it too
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "solution": str(i + 1)}) + "\n"
+                                                for i in range(4)))
+    message = _run("grpo", ["--model-id", str(ws["model"]), "--dataset", str(root / "prompts.jsonl"),
+                            "--rewards", '["user_rewards:boom"]', "--max-steps", "1", "--batch-size", "2",
+                            "--num-generations", "2", "--max-completion-length", "4", "--mixed-precision", "no",
+                            "--output-dir", str(root / "runs")], capsys)
+    assert "reward 'user_rewards:boom' raised" in message and "the judge is offline" in message, message
+    assert "Traceback" not in message and message.count("the judge is offline") == 1, message
+    assert message.rstrip().endswith("(--debug shows the traceback)")
+    runs = root / "runs"
+    assert not runs.exists() or not any(runs.iterdir()), sorted(runs.rglob("*"))

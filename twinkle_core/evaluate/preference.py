@@ -32,7 +32,7 @@ from twinkle_core.hashing import hash_json
 from twinkle_core.models import TransformersModel
 from twinkle_core.objectives.preference import MEAN_LOGPS, sequence_logps
 from twinkle_core.paths import cache_dir
-from twinkle_core.entry import finish_worker
+from twinkle_core.entry import finish_worker, report_user_errors_in_one_line
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2 or argv[0] not in ("evaluate", "reference"):
         raise SystemExit("usage: python -m twinkle_core.evaluate.preference evaluate|reference CONFIG.json")
+    report_user_errors_in_one_line()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path = Path(argv[1])
     if argv[0] == "evaluate":

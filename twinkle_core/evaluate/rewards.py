@@ -21,7 +21,7 @@ from twinkle_core.data import load_tokenized
 from twinkle_core.evaluate.run import load_model
 from twinkle_core.rl.rewards import RewardSet
 from twinkle_core.rl.sampler import PolicySampler, SamplingSettings
-from twinkle_core.entry import finish_worker
+from twinkle_core.entry import finish_worker, report_user_errors_in_one_line
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python -m twinkle_core.evaluate.rewards EVAL_CONFIG.json")
+    report_user_errors_in_one_line()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = RewardEvalConfig.model_validate_json(Path(argv[0]).read_text())
     config.result_path.write_text(json.dumps(evaluate(config), indent=2))

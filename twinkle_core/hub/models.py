@@ -11,6 +11,7 @@ from .archive import materialise_zip
 from .errors import HubError
 from .gguf import materialise_gguf
 from .ids import parse_id
+from .integrity import check_model_folder
 from .internlm2 import is_internlm2, materialise_internlm2
 from .internvl import is_internvl_chat, materialise_internvl
 from .local import local_target
@@ -81,8 +82,13 @@ def check_weight_files(folder: str | Path, model_id: str, allow_pickle: bool = F
     they are refused unless `allow_pickle` (they are then read with torch.load(weights_only=True))."""
     folder = Path(folder)
     if any(folder.glob("*.safetensors")) or (folder / "model.safetensors.index.json").is_file():
+        check_model_folder(folder, model_id)  # whole files and a tokenizer, before anything loads them
         return "safetensors"
     if not any((folder / name).is_file() for name in PICKLE_WEIGHTS):
+        if (folder / "config.json").is_file():  # a Hugging Face folder (not a Megatron checkpoint) without weights
+            where = f"model id {model_id!r}" + ("" if str(folder) == model_id else f" ({folder})")
+            raise HubError(f"{where} is damaged: it has config.json but no weight files (model.safetensors, or "
+                           "model.safetensors.index.json with its shards). Download or copy it again.")
         return None
     if not allow_pickle:
         where = "" if str(folder) == model_id else f": {str(folder)!r}"

@@ -129,6 +129,7 @@ class TransformersModel:
         self.precision = resolve_precision(mixed_precision, self.device.type)
         self.model_id = model_id
         self.path = resolve_model(model_id).path
+        weights = check_weight_files(self.path, model_id, allow_pickle_weights)  # a damaged folder stops here
         # A model_type outside the registry is an untested family (remote code fails here unless trusted);
         # `family` settles checkpoints that share an architecture (Yi/Llama).
         self.family = get_family(family) if family else family_for_model_dir(
@@ -143,7 +144,7 @@ class TransformersModel:
         from_pretrained_kwargs.setdefault("dtype", self.precision.trainable_dtype)
         if trust_remote_code:
             from_pretrained_kwargs["trust_remote_code"] = True
-        if check_weight_files(self.path, model_id, allow_pickle_weights) == "pickle":
+        if weights == "pickle":
             logger.warning("%s: loading pickle weights (allow_pickle_weights), with torch.load(weights_only=True)",
                            model_id)
         else:  # safetensors only: never fall back to a pickle file

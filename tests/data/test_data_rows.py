@@ -140,3 +140,18 @@ def test_a_line_that_is_not_utf8_is_one_bad_row_named_by_line(tmp_path):
     whole.write_bytes(b"[\n" + good + b",\n" + good.replace(b"Hello", b"H\xe9llo") + b"\n]")
     with pytest.raises(DatasetError, match=r"chat.json is not UTF-8 text: byte 0xe9 on line 3"):
         load_rows(whole, "chat", max_bad_fraction=0.5)
+
+
+def test_chat_rows_with_media_are_refused_for_a_text_model():
+    from twinkle_core.data import RowError
+    from twinkle_core.data.formats import get_row_format
+
+    text = get_row_format("chat")
+    plain = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    assert text.check(plain)["messages"][1]["content"] == "hello"
+    for row, what in (({**plain, "images": ["a.png"]}, "images"), ({**plain, "videos": ["a.mp4"]}, "videos"),
+                      ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a"}},
+                                                                 {"type": "text", "text": "?"}]},
+                                     {"role": "assistant", "content": "ok"}]}, "image_url")):
+        with pytest.raises(RowError, match=f"the row carries {what}, but this run's model reads text only"):
+            text.check(row)

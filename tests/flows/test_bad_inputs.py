@@ -88,6 +88,10 @@ IN_FLOW = [
      "sft failed: {ws}/latin1.json is not UTF-8 text: byte 0xe9 on line 1; a .json dataset is read whole"),
     ("tp-does-not-divide-heads", "sft", ["--nproc-per-node", "3", "--tp-size", "3"],
      "tp_size=3 must divide num_attention_heads=4 and num_key_value_heads=2; tp_size can be one of [1, 2]."),
+    ("media-for-a-text-model", "sft", ["--dataset", "{ws}/with_images.jsonl"],
+     "sft failed: {ws}/with_images.jsonl: none of its 2 rows is usable:\n  {ws}/with_images.jsonl:1: the row carries "
+     "images, but this run's model reads text only (its media would be dropped); images and videos train on "
+     "vision-language families: Qwen 2.5 VL"),
     ("dpo-chat-rows", "dpo", ["--dataset", "{ws}/train.jsonl"],
      "{ws}/train.jsonl:10: row has keys ['messages']; a preference row needs 'messages' (or 'prompt') with "
      "'chosen' and 'rejected'"),
@@ -118,6 +122,11 @@ def _inputs(ws) -> None:
     good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}]})
     (root / "mostly_bad.jsonl").write_text(good + '\n{"foo": 1}\n{"foo": 2}\n{"foo": 3}\n')
     (root / "latin1.json").write_bytes(b'[{"messages": "caf\xe9"}]')
+    pictured = {"messages": [{"role": "user", "content": [{"type": "image", "image": "cat.png"},
+                                                          {"type": "text", "text": "What is it?"}]},
+                             {"role": "assistant", "content": "A cat."}]}
+    (root / "with_images.jsonl").write_text(json.dumps({**json.loads(good), "images": ["cat.png"]}) + "\n"
+                                           + json.dumps(pictured) + "\n")
     (root / "rows.csv").write_text("messages\nhi\n")
     (root / "corpus.csv").write_text("text\nhi\n")
     (root / "empty.jsonl").write_bytes(b"")

@@ -20,7 +20,7 @@ from .vision_rows import validate_vision_row
 from .collate import collate, collate_padding_free
 from .encode import count_trained_tokens, encode_chat, encode_chats, encode_text, encode_texts, truncate
 from .packing import pack_examples
-from .validate import validate_chat_row, validate_text_row
+from .validate import validate_text_chat_row, validate_text_row
 
 
 def _token_counts(example: dict) -> tuple[int, int]:
@@ -105,7 +105,7 @@ def _encode_text_rows(tokenizer, rows: list[dict], enable_thinking: bool = True)
     return encode_texts(tokenizer, [row["text"] for row in rows])
 
 
-register_row_format(RowFormat("chat", validate_chat_row, _encode_chat_row, encode_batch=_encode_chat_rows))
+register_row_format(RowFormat("chat", validate_text_chat_row, _encode_chat_row, encode_batch=_encode_chat_rows))
 register_row_format(RowFormat("text", validate_text_row, _encode_text_row, encode_batch=_encode_text_rows,
                               needs_chat_template=False))
 register_row_format(RowFormat(

@@ -121,6 +121,26 @@ def validate_chat_row(row: Any) -> dict:
     return result
 
 
+VISION_FAMILIES = "Qwen 2.5 VL, Qwen3-VL, Qwen 3.5 VL, InternVL"  # the families whose rows may carry media
+
+
+def validate_text_chat_row(row: Any) -> dict:
+    """A chat row for a text-only model: as validate_chat_row, and refused when it carries images or videos
+    (the media would be dropped and the text trained alone, silently)."""
+    row = _require_object(row)
+    media = [key for key in ("images", "videos") if row.get(key)]
+    for message in row.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            media += [part["type"] for part in content
+                      if isinstance(part, dict) and part.get("type") in ("image", "image_url", "video", "video_url")]
+    if media:
+        raise RowError(f"the row carries {', '.join(sorted(set(media)))}, but this run's model reads text only (its "
+                       f"media would be dropped); images and videos train on vision-language families: "
+                       f"{VISION_FAMILIES}")
+    return validate_chat_row(row)
+
+
 def validate_text_row(row: Any) -> dict:
     """A pre-training row: {"text": non-empty string}."""
     row = _require_object(row)

@@ -208,6 +208,18 @@ class Service:
         owner = key_hash(key)  # a key's states sit apart from every other key's
         return self.config.state_dir / owner / quote(parsed.training_run_id, safe="") / segment / name
 
+    def sampler(self, key: str, model_path: str | None, base_model: str | None) -> str | None:
+        """The sampler a model_path names (404 unless the key's own), or None for the served base model."""
+        if model_path is not None:
+            owner, sampler_id = self.sampler_paths.get(model_path, (None, None))
+            if owner != key:
+                raise ApiError(404, f"sampler weights {model_path!r} not found")
+            return sampler_id
+        if base_model != self.config.model_name:
+            raise ApiError(400, f"base_model {base_model!r} is not served here; this server serves "
+                                f"{self.config.model_name!r} (or give a model_path or sampling session)")
+        return None
+
     def sampling_session(self, key: str, sampling_session_id: str) -> SamplingSession:
         sampling = self.sampling.get(sampling_session_id)
         if sampling is None or sampling.key != key:
@@ -531,15 +543,7 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
         key = service.key(request)
         body = _parse(types.CreateSamplingSessionRequest, await _json(request, limit))
         service.session(key, body.session_id)
-        if body.model_path is not None:
-            owner, sampler_id = service.sampler_paths.get(body.model_path, (None, None))
-            if owner != key:
-                raise ApiError(404, f"sampler weights {body.model_path!r} not found")
-        elif body.base_model == config.model_name:
-            sampler_id = None
-        else:
-            raise ApiError(400, f"base_model {body.base_model!r} is not served here; this server serves "
-                                f"{config.model_name!r}")
+        sampler_id = service.sampler(key, body.model_path, body.base_model)
         sampling_session_id = "p" + secrets.token_hex(8)
         service.sampling[sampling_session_id] = SamplingSession(key, sampler_id)
         return {"type": "create_sampling_session", "sampling_session_id": sampling_session_id}
@@ -566,14 +570,8 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
         body = _parse(types.SampleRequest, await _json(request, limit))
         if body.sampling_session_id is not None:
             sampler_id = service.sampling_session(key, body.sampling_session_id).sampler_id
-        elif body.model_path is not None:
-            owner, sampler_id = service.sampler_paths.get(body.model_path, (None, None))
-            if owner != key:
-                raise ApiError(404, f"sampler weights {body.model_path!r} not found")
-        elif body.base_model == config.model_name:
-            sampler_id = None
         else:
-            raise ApiError(400, "asample needs a sampling_session_id, a model_path or this server's base_model")
+            sampler_id = service.sampler(key, body.model_path, body.base_model)
         refused = [name for name, asked in (("topk_prompt_logprobs", body.topk_prompt_logprobs),
                                             ("topk_sample_logprobs", body.topk_sample_logprobs),
                                             ("prompt_alt_tokens_k", body.prompt_alt_tokens_k),

@@ -28,8 +28,11 @@ CHAT_ROW = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": 
 def _env(tmp_path: Path) -> dict:
     """No Prefect API configured (a run starts its temporary server), every store under tmp_path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    # Prefect gives its temporary server 20 s to answer; under the suite's load on 2 cores it can need more
+    # (the harness in tests/flows/conftest.py allows 120 s for the same reason).
     return {**env, "PREFECT_HOME": str(tmp_path / "prefect"), "TWINKLE_CACHE": str(tmp_path / "cache"),
-            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
 
 
 def _command(tmp_path: Path, module: str, *argv: str) -> tuple[subprocess.CompletedProcess, float]:

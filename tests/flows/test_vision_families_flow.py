@@ -66,9 +66,7 @@ def test_sft_flow_trains_each_vision_language_family(sft_workspace, family):
         registered_model_name=f"tiny-{family}", output_dir=str(root / "runs"), checkpoint_every=None)
     assert config.objective == "vision_lm"
     if family == "qwen3_5_vl":  # the same checkpoint under a name of no VL id is the text model
-        plain = root / "tiny-qwen3_5"
-        plain.mkdir()
-        shutil.copy(model_dir / "config.json", plain)
+        plain = shutil.copytree(model_dir, root / "tiny-qwen3_5")  # a whole checkpoint: a damaged one is refused
         assert SFTConfig(model_id=str(plain)).objective == "causal_lm"
     result = sft(config)
     assert result["family"] == family

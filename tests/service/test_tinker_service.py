@@ -275,7 +275,7 @@ def test_two_worker_processes_equal_one(tiny_model_dir, service):
         thread.join(60)
 
 
-def test_sampling_is_greedy_exact_a_snapshot_and_scores_like_forward(service, tiny_model_dir):
+def test_sampling_is_greedy_exact_a_snapshot_and_scores_like_forward(service, tiny_model_dir, monkeypatch):
     app, url = service
     client = _client(url, "tml-grace")
     training = client.create_lora_training_client(base_model=NAME, rank=8, seed=3).result()
@@ -323,7 +323,8 @@ def test_sampling_is_greedy_exact_a_snapshot_and_scores_like_forward(service, ti
     import mlflow
 
     app.state.service.runs.flush(120)
-    mlflow.set_tracking_uri(app.state.service.runs.uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", app.state.service.runs.uri)  # for this test only (not set_tracking_uri:
+    # that would pin this process's later tests to the service's store)
     version = mlflow.MlflowClient().get_model_version_by_alias("tiny-service", "champion")
     assert version.tags["twinkle.kind"] == "adapter" and version.tags["twinkle.base_model_id"] == str(tiny_model_dir)
     served = mlflow.pyfunc.load_model("models:/tiny-service@champion")

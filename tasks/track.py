@@ -10,6 +10,7 @@ from prefect.runtime import deployment, flow_run
 from prefect.settings import get_current_settings
 
 from twinkle_core.tracking import LOSS_CURVE, plot_loss_curve, redact, tracking_uri
+from twinkle_core.tracking.logger import experiment_id
 
 
 def prefect_tags(flow: str) -> dict[str, str]:
@@ -31,16 +32,15 @@ def start_tracking(experiment_name: str, run_name: str, params: dict, tags: dict
     steps extend the first attempt's metric history.
     """
     client = MlflowClient(tracking_uri())
-    experiment = client.get_experiment_by_name(experiment_name)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(experiment_name)
-    earlier = client.search_runs([experiment_id], f"tags.prefect_flow_run = '{tags['prefect_flow_run']}'",
+    experiment = experiment_id(client, experiment_name)
+    earlier = client.search_runs([experiment], f"tags.prefect_flow_run = '{tags['prefect_flow_run']}'",
                                  max_results=1) if tags.get("prefect_flow_run", "None") != "None" else []
     if earlier:
         run_id = earlier[0].info.run_id
         client.update_run(run_id, status="RUNNING")
         get_run_logger().info("continuing MLflow run %s of this flow run's first attempt", run_id)
         return run_id
-    run = client.create_run(experiment_id, run_name=run_name, tags=tags)
+    run = client.create_run(experiment, run_name=run_name, tags=tags)
     from mlflow.entities import Param
 
     items = [Param(k, v) for k, v in redact(params).items()]

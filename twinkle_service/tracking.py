@@ -14,6 +14,8 @@ import queue
 import threading
 import time
 
+from twinkle_core.tracking.logger import experiment_id
+
 logger = logging.getLogger(__name__)
 EXPERIMENT = "twinkle-service"
 
@@ -59,21 +61,17 @@ class SessionRuns:
         from mlflow import MlflowClient
 
         client = MlflowClient(tracking_uri=self.uri)
-        experiment = None
         while True:
             kind, session_id, payload = self._queue.get()
             try:
                 if kind == "flush":
                     payload.set()
                 elif kind == "start":
-                    if experiment is None:
-                        found = client.get_experiment_by_name(EXPERIMENT)
-                        experiment = found.experiment_id if found else client.create_experiment(EXPERIMENT)
                     owner, sdk_version, metadata = payload
                     tags = {"twinkle.service.session": session_id, "twinkle.service.key_hash": owner,
                             "twinkle.base_model_id": self.base_model, "tinker.sdk_version": sdk_version,
                             **{f"user.{k}": str(v)[:500] for k, v in metadata.items()}}
-                    self._runs[session_id] = client.create_run(experiment, tags=tags,
+                    self._runs[session_id] = client.create_run(experiment_id(client, EXPERIMENT), tags=tags,
                                                                run_name=f"session-{session_id}").info.run_id
                 elif kind == "log" and session_id in self._runs:
                     from mlflow.entities import Metric
@@ -84,22 +82,19 @@ class SessionRuns:
                 elif kind == "end" and session_id in self._runs:
                     client.set_terminated(self._runs[session_id], status=payload)
                 elif kind == "register":
-                    self._register(client, experiment, session_id, *payload)
+                    self._register(client, session_id, *payload)
             except Exception as exc:  # tracking is a record, not a reason to fail training
                 logger.warning("MLflow %s for session %s failed: %s", kind, session_id, exc)
 
-    def _register(self, client, experiment: str | None, session_id: str, name: str, checkpoint: str, base,
-                  loss: float | None) -> None:
+    def _register(self, client, session_id: str, name: str, checkpoint: str, base, loss: float | None) -> None:
         from twinkle_core.tracking.model_logging import log_chat_model
         from twinkle_core.tracking.registry import register_version
 
-        if experiment is None:
-            found = client.get_experiment_by_name(EXPERIMENT)
-            experiment = found.experiment_id if found else client.create_experiment(EXPERIMENT)
         tags = {"twinkle.service.session": session_id, "twinkle.service.checkpoint": checkpoint}
         if session_id in self._runs:
             tags["mlflow.parentRunId"] = self._runs[session_id]
-        run_id = client.create_run(experiment, tags=tags, run_name=f"register-{name}").info.run_id
+        run = client.create_run(experiment_id(client, EXPERIMENT), tags=tags, run_name=f"register-{name}")
+        run_id = run.info.run_id
         base_tags = log_chat_model(client, run_id, checkpoint, base, "adapter", "model")
         score = float("inf") if loss is None else loss
         if loss is not None:

@@ -14,6 +14,12 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
 
 
+def experiment_id(client, name: str) -> str:
+    """The id of MLflow experiment `name`, created if it does not exist yet."""
+    experiment = client.get_experiment_by_name(name)
+    return experiment.experiment_id if experiment else client.create_experiment(name)
+
+
 def redact(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """Flatten nested params to 'a.b' keys, replacing values of secret-looking keys with ***."""
     flat: dict[str, str] = {}

@@ -19,6 +19,7 @@ from mlflow import MlflowClient
 from twinkle_core.errors import UserError
 from twinkle_core.hub import copy_processor_files, parse_id
 from twinkle_core.tracking import chat_model
+from twinkle_core.tracking.logger import experiment_id
 
 logger = logging.getLogger(__name__)
 REGISTER_AS = ("adapter", "merged")
@@ -161,13 +162,12 @@ def pip_requirements(media: bool = False) -> list[str]:
 
 def log_base_once(client: MlflowClient, base: BaseModelRef) -> str:
     """`runs:/<id>/base` of the logged copy of `base` with its content hash, logging it if there is none."""
-    experiment = client.get_experiment_by_name(BASE_EXPERIMENT)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(BASE_EXPERIMENT)
-    found = client.search_runs([experiment_id], f"tags.`{BASE_HASH_TAG}` = '{base.content_hash}' and "
+    experiment = experiment_id(client, BASE_EXPERIMENT)
+    found = client.search_runs([experiment], f"tags.`{BASE_HASH_TAG}` = '{base.content_hash}' and "
                                                 "attributes.status = 'FINISHED'", max_results=1)
     if found:
         return f"runs:/{found[0].info.run_id}/{BASE_ARTIFACT}"
-    run = client.create_run(experiment_id, run_name=f"base-{base.content_hash[:12]}",
+    run = client.create_run(experiment, run_name=f"base-{base.content_hash[:12]}",
                             tags={BASE_HASH_TAG: base.content_hash, "twinkle.base_model_id": base.model_id})
     client.log_artifacts(run.info.run_id, base.path, BASE_ARTIFACT)
     client.set_terminated(run.info.run_id, "FINISHED")  # only a complete upload is ever reused

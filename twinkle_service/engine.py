@@ -344,10 +344,8 @@ class TinkerEngine:
         optimizer = self.optimizers[name]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         _sum_gradients_over_ranks(params)
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
-        if grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip_norm)
+        # The norm before clipping, computed once (an infinite bound clips nothing); 0 when no weight has a gradient.
+        norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip_norm if grad_clip_norm > 0 else math.inf))
         for group in optimizer.param_groups:
             group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
         optimizer.step()

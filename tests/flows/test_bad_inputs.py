@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import time
 
 import pytest
 from mlflow import MlflowClient
@@ -157,8 +158,12 @@ def test_bad_input_gets_its_message_and_leaves_nothing(sft_workspace, capsys, mo
             "--output-dir", str(ws["root"] / "runs"), "--max-steps", "1"]
     if module in ("embedding", "grpo", "pretrain", "multi_lora", "dpo"):
         base = ["--output-dir", str(ws["root"] / "runs")]
+    started = time.monotonic()
     message = _run(module, [fill(o) for o in base + options], capsys)
+    seconds = time.monotonic() - started
     assert fill(expected) in message
+    if case in AT_PARSE:  # refused while the options are read: no server, no task, no model load
+        assert seconds < 15, seconds
     assert "Traceback" not in message
     if case in IN_FLOW:
         assert message.rstrip().endswith("(--debug shows the traceback)")
@@ -184,17 +189,17 @@ def test_a_users_error_inside_the_training_workers_is_one_message(sft_workspace,
     ws = sft_workspace
     monkeypatch.setattr(logging, "raiseExceptions", False)
     root = ws["root"]
-    (root / "user_rewards.py").write_text("def boom(prompts, completions, **kwargs):\n"
+    (root / "failing_rewards.py").write_text("def boom(prompts, completions, **kwargs):\n"
                                           "    raise ValueError('the judge is offline')\n")
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.setenv("PYTHONPATH", str(root))  # the workers import it too
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "solution": str(i + 1)}) + "\n"
                                                 for i in range(4)))
     message = _run("grpo", ["--model-id", str(ws["model"]), "--dataset", str(root / "prompts.jsonl"),
-                            "--rewards", '["user_rewards:boom"]', "--max-steps", "1", "--batch-size", "2",
+                            "--rewards", '["failing_rewards:boom"]', "--max-steps", "1", "--batch-size", "2",
                             "--num-generations", "2", "--max-completion-length", "4", "--mixed-precision", "no",
                             "--output-dir", str(root / "runs")], capsys)
-    assert "reward 'user_rewards:boom' raised" in message and "the judge is offline" in message, message
+    assert "reward 'failing_rewards:boom' raised" in message and "the judge is offline" in message, message
     assert "Traceback" not in message and message.count("the judge is offline") == 1, message
     assert message.rstrip().endswith("(--debug shows the traceback)")
     runs = root / "runs"

@@ -61,7 +61,7 @@ def test_a_mistyped_option_is_one_short_error_in_seconds(tmp_path):
     assert ("python -m flows.sft: unknown option --learning-rate; did you mean --lr?\n"
             "(--help lists every option)\n") in done.stderr
     assert "usage:" not in done.stderr and "Traceback" not in done.stderr
-    assert seconds < 25, seconds
+    assert seconds < 60, seconds  # imports included, on 2 busy cores (see the next test)
 
 
 def test_an_unreadable_dataset_is_refused_before_the_prefect_server_starts(tmp_path):
@@ -75,7 +75,9 @@ def test_an_unreadable_dataset_is_refused_before_the_prefect_server_starts(tmp_p
     assert f"'{tmp_path / 'rows.txt'}' is not one of .jsonl, .json, .parquet" in done.stderr
     assert f"'{tmp_path / 'empty.jsonl'}' is empty (0 bytes)" in done.stderr
     assert "Traceback" not in output and "temporary server" not in output
-    assert seconds < 25, seconds
+    # The refusal itself takes under a second (tests/flows/test_bad_inputs.py times it in process); this bounds
+    # the command with its imports, which take 20-30 s on 2 busy cores, against the server's 35 s and more.
+    assert seconds < 60, seconds
 
 
 def test_a_folder_holding_one_data_file_is_still_a_dataset(tmp_path):

@@ -29,6 +29,8 @@ def tokenize(dataset: DatasetRef, model: ModelRef, max_length: int, packing: boo
              result.num_tokens, result.num_trained_tokens, result.num_bad)
     for bad in result.bad[:10]:
         log.warning("skipped %s", bad)
+    for message in result.ignored.warnings(dataset.dataset_id):
+        log.warning(message)
     return TokenizedRef(path=str(result.path), content_hash=result.content_hash, num_rows=result.num_rows,
                         num_bad=result.num_bad, num_tokens=result.num_tokens,
                         num_trained_tokens=result.num_trained_tokens)

@@ -16,11 +16,12 @@ from . import pairs, preference, prompts
 from .vision_collate import BATCH_KEYS as VISION_BATCH_KEYS
 from .vision_collate import collate_vision, pack_vision_examples, truncate_vision
 from .vision_encode import encode_vision_prompt, encode_vision_row, load_vision_processor
+from .vision_rows import ROW_KEYS as VISION_ROW_KEYS
 from .vision_rows import validate_vision_row
 from .collate import collate, collate_padding_free
 from .encode import count_trained_tokens, encode_chat, encode_chats, encode_text, encode_texts, truncate
 from .packing import pack_examples
-from .validate import validate_text_chat_row, validate_text_row
+from .validate import CHAT_ROW_KEYS, TEXT_ROW_KEYS, validate_text_chat_row, validate_text_row
 
 
 def _token_counts(example: dict) -> tuple[int, int]:
@@ -61,6 +62,9 @@ class RowFormat:
     encoder: Callable[[Any, Path], Any] | None = None
     # (encoder, messages, **encode options) -> an example of a prompt for generation; None: chat text only
     prompt: Callable[..., dict] | None = None
+    # The top-level row keys the kind reads, in any layout it accepts: tokenize_dataset warns of the others, which
+    # training ignores. None: no key is ignored (prompt rows hand theirs to the reward functions).
+    fields: frozenset[str] | None = None
 
     def check(self, row: Any, folder: Path | None = None) -> dict:
         """The validated row; `folder` is where the row's data file lies (None: the working directory)."""
@@ -105,19 +109,21 @@ def _encode_text_rows(tokenizer, rows: list[dict], enable_thinking: bool = True)
     return encode_texts(tokenizer, [row["text"] for row in rows])
 
 
-register_row_format(RowFormat("chat", validate_text_chat_row, _encode_chat_row, encode_batch=_encode_chat_rows))
+register_row_format(RowFormat("chat", validate_text_chat_row, _encode_chat_row, encode_batch=_encode_chat_rows,
+                              fields=CHAT_ROW_KEYS))
 register_row_format(RowFormat("text", validate_text_row, _encode_text_row, encode_batch=_encode_text_rows,
-                              needs_chat_template=False))
+                              needs_chat_template=False, fields=TEXT_ROW_KEYS))
 register_row_format(RowFormat(
     "pairs", pairs.validate_pair_row, pairs.encode_pair_row, needs_chat_template=False, truncate=pairs.truncate_pair,
     was_truncated=pairs.was_truncated, count_tokens=pairs.count_pair_tokens, num_sequences=pairs.num_texts,
-    collate=pairs.collate_pairs, collate_padding_free=None, batch_keys=pairs.BATCH_KEYS, packable=False))
+    collate=pairs.collate_pairs, collate_padding_free=None, batch_keys=pairs.BATCH_KEYS, packable=False,
+    fields=pairs.ROW_KEYS))
 register_row_format(RowFormat(
     "preference", preference.validate_preference_row, preference.encode_preference_row,
     truncate=preference.truncate_preference, was_truncated=preference.was_truncated,
     count_tokens=preference.count_preference_tokens, num_sequences=lambda example: 2,
     collate=preference.collate_preferences, collate_padding_free=None, batch_keys=preference.BATCH_KEYS,
-    packable=False))
+    packable=False, fields=preference.ROW_KEYS))
 register_row_format(RowFormat(
     "prompts", prompts.validate_prompt_row, prompts.encode_prompt_row, truncate=prompts.truncate_prompt,
     was_truncated=prompts.prompt_too_long, count_tokens=prompts.count_prompt_tokens, collate=prompts.no_collate,
@@ -125,4 +131,4 @@ register_row_format(RowFormat(
 register_row_format(RowFormat(
     "vision_chat", validate_vision_row, encode_vision_row, truncate=truncate_vision, collate=collate_vision,
     collate_padding_free=None, batch_keys=VISION_BATCH_KEYS, reads_files=True, encoder=load_vision_processor,
-    prompt=encode_vision_prompt, pack=pack_vision_examples))
+    prompt=encode_vision_prompt, pack=pack_vision_examples, fields=VISION_ROW_KEYS))

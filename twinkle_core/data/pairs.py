@@ -18,6 +18,8 @@ import torch
 from .errors import RowError
 
 _TEXT_KEYS = ("query_ids", "positive_ids")
+ROW_KEYS = frozenset({"query", "anchor", "positive", "positives", "negative", "negatives",  # all layouts
+                      "messages", "positive_messages", "negative_messages"})
 BATCH_KEYS = ("query_input_ids", "query_attention_mask", "doc_input_ids", "doc_attention_mask")
 
 

@@ -24,6 +24,7 @@ from .validate import validate_chat_row
 SIDES = ("chosen", "rejected")
 REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")  # precomputed reference log-probs, when present
 BATCH_KEYS = ("input_ids", "labels", "attention_mask")
+ROW_KEYS = frozenset({"messages", "prompt", "chosen", "rejected", "rejected_response", *REFERENCE_KEYS})  # all layouts
 
 
 def _reply(value: Any, where: str) -> dict:

@@ -145,6 +145,20 @@ def _probe(tokenizer, template: str | None) -> str:
         return f"<cannot render the probe conversation: {error}>"
 
 
+PROBE_TOOL = {"type": "function", "function": {"name": "twinkle_probe_tool", "description": "A probe.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+
+
+def renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template writes a conversation's tool schemas into the text: a template without
+    a tools block drops them silently. A template that raises on tools (DeepSeek-R1's) counts as rendering none."""
+    try:
+        text = render_messages(tokenizer, PROBE_CONVERSATION, tools=[PROBE_TOOL])
+    except Exception:  # noqa: BLE001 - a probe: whatever the template raises on tools, it renders none
+        return False
+    return PROBE_TOOL["function"]["name"] in text
+
+
 def ensure_chat_template(tokenizer, template_name: str) -> bool:
     """Give `tokenizer` the family template `template_name` when it has none; return whether they agree.
 

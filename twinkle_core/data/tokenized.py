@@ -16,8 +16,8 @@ from .formats import get_row_format
 from .parallel import check_num_proc, map_chunks
 from .readers import SUFFIXES, chunked, read_record_chunks, read_records
 from .row_store import ROWS_FILE, RowWriter, TokenizedRows, record_batch
-from .rows import BadRow, check_fraction, check_records, report_bad_rows
-from .templates import use_chat_template
+from .rows import BadRow, IgnoredFields, UnreadKeys, check_fraction, check_records, report_bad_rows
+from .templates import renders_tools, use_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class TokenizedDataset:
     num_tokens: int
     num_trained_tokens: int
     bad: tuple[BadRow, ...]
+    ignored: IgnoredFields  # what the rows carry that training ignores (row keys, tool schemas)
 
 
 def _cache_key(data_hash: str, tokenizer_path: Path, tokenizer, settings: dict) -> str:
@@ -102,6 +103,8 @@ class EncodedChunk:
     source_rows: int = 0  # rows that gave examples
     truncated: int = 0
     sequences: int = 0  # texts the model reads in these examples
+    unread: UnreadKeys = field(default_factory=UnreadKeys)
+    tools_rows: int = 0  # encoded rows that carry tool schemas
     batch: Any = None
 
 
@@ -130,7 +133,9 @@ def encode_chunk(spec: EncodeSpec, chunk: list[tuple[int, Any]], to_arrow: bool 
     `to_arrow`: hand the examples back as one Arrow record batch, which crosses processes as flat buffers."""
     _, encoder = _load_encoder(spec)
     row_format, out = get_row_format(spec.kind), EncodedChunk(records=len(chunk))
-    rows = list(check_records(chunk, row_format, spec.dataset_path, Path(spec.dataset_path).parent, out.bad))
+    rows = list(check_records(chunk, row_format, spec.dataset_path, Path(spec.dataset_path).parent, out.bad,
+                              out.unread))
+    with_tools = {line for line, row in rows if row.get("tools")}
     for line, encoded in _encoded_rows(spec, encoder, rows, out):
         encoded = encoded if isinstance(encoded, list) else [encoded]  # a row may give several examples
         out.truncated += any(row_format.was_truncated(example, spec.max_length) for example in encoded)
@@ -144,6 +149,7 @@ def encode_chunk(spec: EncodeSpec, chunk: list[tuple[int, Any]], to_arrow: bool 
         out.counts.extend(counts)
         out.sequences += sum(row_format.num_sequences(example) for example in encoded)
         out.source_rows += 1
+        out.tools_rows += line in with_tools
     out.bad.sort(key=lambda bad: bad.line)  # validation and encoding failures, in file order
     if to_arrow and out.examples:
         out.batch, out.examples = record_batch(out.examples), []
@@ -189,6 +195,8 @@ class _Tally:
     rows: int = 0  # stored rows (packed sequences when packing)
     bad_count: int = 0
     bad: list[BadRow] = field(default_factory=list)
+    unread: UnreadKeys = field(default_factory=UnreadKeys)
+    tools_rows: int = 0
 
 
 def _encode_to(rows_file: Path, spec: EncodeSpec, packing: bool, num_proc: int, chunks) -> _Tally:
@@ -218,6 +226,8 @@ def _encode_to(rows_file: Path, spec: EncodeSpec, packing: bool, num_proc: int, 
             tally.examples += len(chunk.counts)
             tally.bad_count += len(chunk.bad)
             tally.bad.extend(chunk.bad[:MAX_BAD_STORED - len(tally.bad)])
+            tally.unread.add(chunk.unread)
+            tally.tools_rows += chunk.tools_rows
             if packer is None:
                 store(chunk.batch, chunk.counts, chunk.sequences)
             else:
@@ -312,6 +322,7 @@ def _tokenize(spec: EncodeSpec, packing: bool, max_bad_fraction: float, num_proc
         rows_read = json.loads((final / "meta.json").read_text()).get("num_source_rows", dataset.num_examples)
         total = rows_read + dataset.num_bad
         report_bad_rows(list(dataset.bad), total, max_bad_fraction, str(dataset_path), num_bad=dataset.num_bad)
+        _warn_ignored(dataset, dataset_path)
         return dataset
     with atomic_dir(final) as tmp:
         tally = _encode_to(tmp / ROWS_FILE, spec, packing, num_proc, chunks())
@@ -319,16 +330,28 @@ def _tokenize(spec: EncodeSpec, packing: bool, max_bad_fraction: float, num_proc
         if tally.truncated:
             logger.info("%s: truncated %d of %d rows to max_length=%d",
                         dataset_path, tally.truncated, tally.records - tally.bad_count, max_length)
+        # The template is part of the key, so whether it drops the tools is stored with the rows.
+        dropped_tools = tally.tools_rows if tally.tools_rows and not renders_tools(tokenizer) else 0
         meta = {
             "content_hash": key, "format_version": FORMAT_VERSION, **settings,
             "num_rows": tally.rows, "num_examples": tally.examples, "num_source_rows": tally.source_rows,
             "num_bad": tally.bad_count, "num_tokens": tally.tokens, "num_trained_tokens": tally.trained,
             "num_sequences": tally.sequences, "bad": [vars(row) for row in tally.bad],
+            "ignored_fields": dict(sorted(tally.unread.keys.items(), key=lambda item: (-item[1], item[0]))),
+            "ignored_field_rows": tally.unread.rows, "untrained_tools_rows": dropped_tools,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     logger.info("tokenised %s: %d rows, %d tokens (%d trained) in %s",
                 dataset_path, meta["num_rows"], meta["num_tokens"], meta["num_trained_tokens"], final)
-    return read_meta(final)
+    dataset = read_meta(final)
+    _warn_ignored(dataset, dataset_path)
+    return dataset
+
+
+def _warn_ignored(dataset: TokenizedDataset, source: str) -> None:
+    """One warning per dataset for its ignored row keys, and one for its dropped tools: not one per row."""
+    for message in dataset.ignored.warnings(source):
+        logger.warning(message)
 
 
 def write_rows(rows: list[dict], directory: Path) -> None:
@@ -344,10 +367,16 @@ def read_meta(path: str | Path) -> TokenizedDataset:
     """The TokenizedDataset described by a cache entry's meta.json."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
+    # An entry written before these counts reads as nothing ignored.
+    ignored = IgnoredFields(
+        kind=meta.get("kind", "chat"), rows_read=meta.get("num_source_rows", meta["num_examples"]) + meta["num_bad"],
+        rows=meta.get("ignored_field_rows", 0), keys=tuple(meta.get("ignored_fields", {}).items()),
+        tools_rows=meta.get("untrained_tools_rows", 0),
+    )
     return TokenizedDataset(
         path=path, content_hash=meta["content_hash"], num_rows=meta["num_rows"], num_examples=meta["num_examples"],
         num_bad=meta["num_bad"], num_tokens=meta["num_tokens"], num_trained_tokens=meta["num_trained_tokens"],
-        bad=tuple(BadRow(**row) for row in meta["bad"]),
+        bad=tuple(BadRow(**row) for row in meta["bad"]), ignored=ignored,
     )
 
 

@@ -7,6 +7,8 @@ from .errors import RowError
 from .messages import parse_arguments
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROW_KEYS = frozenset({"messages", "tools"})  # what validate_chat_row reads
+TEXT_ROW_KEYS = frozenset({"text"})
 
 
 _JSON_TYPES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}

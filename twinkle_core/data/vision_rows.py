@@ -20,11 +20,12 @@ from typing import Any
 
 from .errors import RowError
 from .media import check_video, locate_media, open_image
-from .validate import validate_chat_row
+from .validate import CHAT_ROW_KEYS, validate_chat_row
 
 PLACEHOLDERS = {"image": "<image>", "video": "<video>"}
 MEDIA_KEYS = {"image": "images", "video": "videos"}
 BYTES_URL = "data:application/octet-stream;base64,"  # raw bytes: the decoder finds the format itself
+ROW_KEYS = CHAT_ROW_KEYS | set(MEDIA_KEYS.values())
 _PART_KEYS = {"image": ("image", "url", "path", "image_url"), "video": ("video", "url", "path", "video_url")}
 
 

@@ -21,6 +21,7 @@ from typing import ClassVar
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from flows.benchmarks import champion_metric, plan_benchmarks, run_benchmarks, with_benchmarks
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
 from flows.run_folder import discard_bare_run_folder, run_folder
@@ -33,7 +34,7 @@ from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
 from tasks.train import train
-from twinkle_core.config.fields import (AdapterFields, BackendFields, BatchSize, ChatDataFields, CheckpointFields,
+from twinkle_core.config.fields import (AdapterFields, BackendFields, BenchmarkFields, BatchSize, ChatDataFields, CheckpointFields,
                                         DataParallelFields, DatasetId, DataSourceFields, Epochs, EvalDatasetId,
                                         EvalFields, ExperimentName, LearningRate, LoopFields, MachinesFields,
                                         MaxLength, ModelParallelFields, OptimizerFields, PreferenceFields,
@@ -47,7 +48,7 @@ DEFAULT_EVAL_DATASET = "pkg://twinkle_core/datasets/preference/heldout.jsonl"
 CHAMPION_METRIC = "reward_accuracy"  # a new version becomes champion when its held-out reward accuracy is higher
 
 
-class DPOConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
+class DPOConfig(RunFields, BenchmarkFields, EvalFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
                 OptimizerFields, LoopFields, CheckpointFields, AdapterFields, PreferenceFields, ChatDataFields,
                 BackendFields, DataSourceFields, TrainingFlowConfig):
     """Parameters of the dpo flow (the Prefect UI form and the CLI options; groups listed last-first)."""
@@ -127,6 +128,7 @@ def dpo(config: DPOConfig = DPOConfig()) -> dict:
     run_dir = run_folder(config.output_dir, config)  # a retry of this flow run gets the same folder and resumes
     model = download_model(config.model_id, **config.model_options())
     config.check_model(model)
+    plan = plan_benchmarks(config, model)  # a benchmark that cannot run offline fails here, before training
     train_file = download_dataset(config.dataset, config.streaming)  # the held-out set is small: a file
     eval_file = download_dataset(config.eval_dataset)
     train_data = tokenize(train_file, model, config.max_length, False, config.max_bad_fraction,
@@ -146,16 +148,18 @@ def dpo(config: DPOConfig = DPOConfig()) -> dict:
         reports = evaluate_preference(model, checkpoint, heldout, prompts, str(run_dir), config.mixed_precision,
                                       config.loss_type, config.beta, config.max_new_tokens, tracked.run_id,
                                       config.timeout_minutes * 60)
-        registration = register(checkpoint, config.model_name(), tracked.run_id, reports["trained"][CHAMPION_METRIC],
-                                tracked.tags, metric="eval_" + CHAMPION_METRIC, higher_is_better=True, base=model,
-                                dataset=train_file, register_as=config.register_as)
+        bench = run_benchmarks(config, plan, model, checkpoint, run_dir, tracked.run_id)
+        registration = register(checkpoint, config.model_name(), tracked.run_id, tags=tracked.tags, base=model,
+                                dataset=train_file, register_as=config.register_as,
+                                **champion_metric(config, bench, reports["trained"][CHAMPION_METRIC],
+                                                  "eval_" + CHAMPION_METRIC, True))
     run_id, links = tracked.run_id, tracked.links
-    summary = render_dpo_summary(config, prompts, reports, registration, run_id, checkpoint, train_data, model.family,
-                                 links)
+    summary = with_benchmarks(render_dpo_summary(config, prompts, reports, registration, run_id, checkpoint, train_data, model.family,
+                                 links), bench)
     create_markdown_artifact(summary, key="dpo-summary", description="base vs trained on held-out preference pairs")
     get_run_logger().info("run summary:\n%s", summary)
     return {"summary": summary, "run_id": run_id, "registration": registration, "reports": reports,
-            "checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss, "train_data": train_data.path,
+            "benchmarks": bench, "checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss, "train_data": train_data.path,
             "family": model.family}
 
 

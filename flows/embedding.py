@@ -29,7 +29,7 @@ from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
 from tasks.train import train
-from twinkle_core.config.fields import (AdapterFields, BackendFields, CheckpointFields, DataParallelFields, DatasetId,
+from twinkle_core.config.fields import (AdapterFields, BackendFields, BenchmarkFields, CheckpointFields, DataParallelFields, DatasetId,
                                         BatchSize, DataSourceFields, EmbeddingDataFields, EmbeddingFields, EvalDatasetId,
                                         ExperimentName, LearningRate, LoopFields, MachinesFields, ModelId,
                                         ModelParallelFields, OptimizerFields, ProcessFields, RegisteredModelName,
@@ -47,13 +47,15 @@ DEFAULT_EVAL_DATASET = "pkg://twinkle_core/datasets/retrieval/heldout.jsonl"
 CHAMPION_METRIC = "recall@1"  # a new version becomes champion when its held-out recall@1 is higher
 
 
-class EmbeddingConfig(RunFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
+class EmbeddingConfig(RunFields, BenchmarkFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
                       OptimizerFields, LoopFields, CheckpointFields, AdapterFields, EmbeddingFields,
                       EmbeddingDataFields, BackendFields, DataSourceFields, TrainingFlowConfig):
     """Parameters of the embedding flow (the Prefect UI form and the CLI options; groups listed last-first)."""
 
     kind: ClassVar[str] = "embedding"
     objective: ClassVar[str] = "infonce"
+    benchmarks_refused: ClassVar[str] = ("an embedding model is scored by retrieval recall on the held-out pairs; "
+                                         "MTEB would be its benchmark harness, which this project does not run yet")
 
     model_id: ModelId = DEFAULT_MODEL
     dataset: DatasetId = DEFAULT_DATASET

@@ -15,6 +15,7 @@ from typing import ClassVar
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from flows.benchmarks import champion_metric, plan_benchmarks, run_benchmarks, with_benchmarks
 from flows.cli import run_from_cli
 from flows.params import TrainingFlowConfig, default_model_name
 from flows.run_folder import discard_bare_run_folder, run_folder
@@ -28,7 +29,7 @@ from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
 from tasks.train import train
-from twinkle_core.config.fields import (AdapterFields, BackendFields, BatchingFields, CheckpointFields,
+from twinkle_core.config.fields import (AdapterFields, BackendFields, BatchingFields, BenchmarkFields, CheckpointFields,
                                         DataParallelFields, DatasetId, DataSourceFields, EvalDatasetId, EvalFields,
                                         ExperimentName, LoopFields, MachinesFields, ModelParallelFields,
                                         OptimizerFields, PackedChatDataFields, ProcessFields, RegisteredModelName,
@@ -43,7 +44,7 @@ DEFAULT_DATASET = "pkg://twinkle_core/datasets/self_cognition/train.jsonl"
 DEFAULT_EVAL_DATASET = "pkg://twinkle_core/datasets/self_cognition/heldout.jsonl"
 
 
-class SFTConfig(RunFields, EvalFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
+class SFTConfig(RunFields, BenchmarkFields, EvalFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
                 OptimizerFields, BatchingFields, LoopFields, CheckpointFields, AdapterFields, VisionFields,
                 PackedChatDataFields, BackendFields, DataSourceFields, TrainingFlowConfig):
     """Parameters of the sft flow (the Prefect UI form and the CLI options; groups listed last-first)."""
@@ -90,6 +91,7 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
     run_dir = run_folder(config.output_dir, config)  # a retry of this flow run gets the same folder and resumes
     model = download_model(config.model_id, **config.model_options())
     config.check_model(model)  # model-dependent rules (tp_size vs the heads, ...) before anything else runs
+    plan = plan_benchmarks(config, model)  # a benchmark that cannot run offline fails here, before training
     train_file = download_dataset(config.dataset, config.streaming)  # the held-out set is small: a file
     eval_file = download_dataset(config.eval_dataset)
     objective = get_objective(config.objective)
@@ -110,15 +112,17 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
         reports = evaluate(hf_model, checkpoint, eval_data, prompts, str(run_dir), config.mixed_precision,
                            config.max_new_tokens, tracked.run_id, objective=config.objective,
                            objective_options=config.objective_options())
-        registration = register(checkpoint, config.model_name(), tracked.run_id, reports["trained"]["eval_loss"],
-                                tracked.tags, base=hf_model, dataset=train_file, register_as=config.register_as)
+        bench = run_benchmarks(config, plan, hf_model, checkpoint, run_dir, tracked.run_id)
+        registration = register(checkpoint, config.model_name(), tracked.run_id, tags=tracked.tags, base=hf_model,
+                                dataset=train_file, register_as=config.register_as,
+                                **champion_metric(config, bench, reports["trained"]["eval_loss"], "eval_loss", False))
     run_id, links = tracked.run_id, tracked.links
-    summary = render_summary(config, prompts, reports, registration, run_id, checkpoint, train_data, links,
-                             hf_model.family)
+    summary = with_benchmarks(render_summary(config, prompts, reports, registration, run_id, checkpoint, train_data,
+                                             links, hf_model.family), bench)
     create_markdown_artifact(summary, key="sft-summary", description="base vs trained model")
     get_run_logger().info("run summary:\n%s", summary)
     return {"summary": summary, "run_id": run_id, "registration": registration, "reports": reports,
-            "checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss, "train_data": train_data.path,
+            "benchmarks": bench, "checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss, "train_data": train_data.path,
             "family": model.family}
 
 

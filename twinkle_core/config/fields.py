@@ -15,9 +15,9 @@ Pydantic orders the fields from the last base class to the first, so a config li
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 
 class Strategy(str, Enum):
@@ -430,6 +430,63 @@ class EvalFields(BaseModel):
 
     eval_prompts: EvalPrompts = 3
     max_new_tokens: MaxNewTokens = 40
+
+
+EvalTasks = Annotated[list[str], Field(description="Benchmarks scored on the base and trained model with "
+                      "lm-evaluation-harness: harness task, tag or group names (their data in the local HF datasets "
+                      "cache), folders of the harness's YAML tasks, or 'twinkle' (the bundled tasks); empty: none.")]
+EvalLimit = Annotated[int | None, Field(ge=1, description="Examples per benchmark task (empty: all).")]
+EvalNumFewshot = Annotated[int | None, Field(ge=0, description="Few-shot examples per benchmark question "
+                                                              "(empty: each task's own).")]
+EvalBatchSize = Annotated[int, Field(ge=1, description="Batch size of the benchmark harness.")]
+EvalGenKwargs = Annotated[dict, Field(description="Generation settings for generate_until benchmark tasks, over "
+                                                  "the tasks' own, e.g. {\"max_gen_toks\": 64}.")]
+EvalChatTemplate = Annotated[Literal["auto", "yes", "no"], Field(
+    description="Render benchmark prompts with the run's chat template: auto (the bundled tasks as they say, other "
+                "generate_until tasks when the model has a template), yes, no.")]
+ChampionMetric = Annotated[str | None, Field(description="A benchmark score that decides the champion, as "
+                                                         "bench/TASK/MEASURE (e.g. bench/twinkle_self_cognition/acc); "
+                                                         "empty: the flow's own held-out metric.")]
+
+
+class BenchmarkFields(BaseModel):
+    """Standard benchmarks in the evaluate step, through lm-evaluation-harness."""
+
+    eval_tasks: EvalTasks = []
+    eval_limit: EvalLimit = None
+    eval_num_fewshot: EvalNumFewshot = None
+    eval_batch_size: EvalBatchSize = 8
+    eval_gen_kwargs: EvalGenKwargs = {}
+    eval_chat_template: EvalChatTemplate = "auto"
+    champion_metric: ChampionMetric = None
+    benchmarks_refused: ClassVar[str | None] = None  # why a flow's models cannot be benchmarked (yet)
+
+    @field_validator("eval_tasks", mode="before")
+    @classmethod
+    def _one_task_is_a_list(cls, value):
+        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+
+    def benchmark_problems(self) -> list[str]:
+        """What is wrong before anything runs (the tasks themselves are checked after download, offline)."""
+        problems = []
+        if self.eval_tasks and self.benchmarks_refused:
+            problems.append(f"eval_tasks: {self.benchmarks_refused}")
+        if self.eval_tasks and getattr(self, "objective", None) == "vision_lm":
+            problems.append("eval_tasks: benchmarks score text-only language models for now; a vision-language "
+                            "model would be scored without its images (the harness's multimodal tasks are next)")
+        if self.champion_metric is not None:
+            parts = self.champion_metric.split("/")
+            if len(parts) != 3 or parts[0] != "bench" or not all(parts):
+                problems.append(f"champion_metric={self.champion_metric!r}: name a benchmark score as "
+                                "bench/TASK/MEASURE, e.g. bench/twinkle_self_cognition/acc")
+            elif not self.eval_tasks:
+                problems.append(f"champion_metric={self.champion_metric!r} needs eval_tasks: no benchmark runs")
+        return problems
+
+    def benchmark_settings(self) -> dict:
+        """What the harness worker takes (twinkle_core.evaluate.harness.BenchmarkSettings)."""
+        return {"limit": self.eval_limit, "num_fewshot": self.eval_num_fewshot, "batch_size": self.eval_batch_size,
+                "gen_kwargs": dict(self.eval_gen_kwargs)}
 
 
 def check_launch(nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:

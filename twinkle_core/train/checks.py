@@ -34,6 +34,8 @@ def _common_problems(config) -> list[str]:
         problems += _kind_problems(config, check_model_id(config.model_id).name, config.model_id)
     if getattr(config, "chat_template", None):
         problems += raised_problems(read_chat_template, config.chat_template)
+    if hasattr(config, "benchmark_problems"):
+        problems += config.benchmark_problems()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # megatron computes fp8 in Transformer Engine's layers and checks that in its own rules (models.backends)
     problems += raised_problems(resolve_precision, config.mixed_precision, device, config.backend != "megatron")

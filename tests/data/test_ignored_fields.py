@@ -118,3 +118,15 @@ def test_other_kinds_name_their_own_rows_and_hint_only_where_a_flow_fits(tmp_pat
     assert _warnings(caplog, "do not use") == [
         f"{path}: 2 of 2 rows carry fields the text rows do not use, ignored: 'solution' (1 row: prompts and their "
         "reward fields train with the grpo flow), 'url' (1 row)"]
+
+
+@pytest.mark.parametrize("chunk_rows", [4, 1])  # within one chunk, and across chunks
+def test_reference_logps_on_some_rows_only_are_refused_by_name(tmp_path, tokenizer_dir, chunk_rows):
+    from twinkle_core.data import DatasetError
+
+    pair = {"messages": CHAT["messages"][:1], "chosen": "I am Twinkle.", "rejected": "No."}
+    rows = [{**pair, "ref_chosen_logps": -1.0, "ref_rejected_logps": -2.0}, pair]
+    path = _write(tmp_path / "pairs.jsonl", rows)
+    with pytest.raises(DatasetError, match=r"the rows differ in their fields: \['ref_chosen_logps', "
+                                           r"'ref_rejected_logps'\] on some rows and not on others"):
+        tokenize_dataset(path, tokenizer_dir, kind="preference", max_length=64, num_proc=1, chunk_rows=chunk_rows)

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from .errors import DatasetError
+
 ROWS_FILE = "data.arrow"
 # Columns whose type a chunk cannot tell when all its values are empty lists (no hard negatives, no video).
 NESTED_INT_COLUMNS = frozenset({"negative_ids", "image_grid_thw", "video_grid_thw"})
@@ -38,6 +40,12 @@ def column_type(name: str, values: list) -> pa.DataType:
     return pa.list_(pa.list_(pa.int32())) if nested else pa.list_(pa.int32())
 
 
+def _fields_differ(first: list[str], other: list[str]) -> DatasetError:
+    differ = sorted(set(first) ^ set(other))
+    return DatasetError(f"the rows differ in their fields: {differ} on some rows and not on others; give each "
+                        "optional field (reference log-probs, a reward's field) on every row or on none")
+
+
 def _flat(value):
     return value.tolist() if isinstance(value, np.ndarray) else value
 
@@ -45,6 +53,9 @@ def _flat(value):
 def record_batch(rows: list[dict]) -> pa.RecordBatch:
     """The rows (dicts with the same keys) as one Arrow record batch, typed by column_type."""
     names = list(rows[0])
+    for row in rows:
+        if row.keys() != rows[0].keys():
+            raise _fields_differ(names, list(row))
     arrays, built = [], []
     for name in names:
         values = [_flat(row[name]) for row in rows]
@@ -76,6 +87,8 @@ class RowWriter:
             self._schema = batch.schema
             self._sink = pa.OSFile(str(self.path), "wb")
             self._writer = pa.ipc.new_file(self._sink, self._schema)
+        if set(batch.schema.names) != set(self._schema.names):
+            raise _fields_differ(self._schema.names, batch.schema.names)
         if batch.schema != self._schema:
             batch = batch.cast(self._schema)
         self._writer.write_batch(batch)

@@ -91,3 +91,18 @@ def test_scores_are_named_for_mlflow_and_tabled_base_against_trained():
     assert champion_value(trained, "bench/twinkle_arithmetic/exact_match.first-number") == (0.25, True)
     with pytest.raises(BenchmarkError, match="is not among the benchmark scores"):
         champion_value(trained, "bench/twinkle_continuation/bleu")
+
+
+def test_embedding_and_vision_language_runs_refuse_benchmarks_with_the_reason():
+    from flows.cli import parse_config
+    from flows.embedding import EmbeddingConfig
+    from flows.sft import SFTConfig
+
+    with pytest.raises(SystemExit, match="eval_tasks: an embedding model is scored by retrieval recall"):
+        parse_config(EmbeddingConfig, ["--eval-tasks", "twinkle"], "d")
+    with pytest.raises(SystemExit, match="eval_tasks: benchmarks score text-only language models for now"):
+        parse_config(SFTConfig, ["--model-id", "hf://Qwen/Qwen2.5-VL-3B-Instruct", "--eval-tasks", "twinkle"], "d")
+    with pytest.raises(SystemExit, match="champion_metric='bench/twinkle_arithmetic/acc' needs eval_tasks"):
+        parse_config(SFTConfig, ["--champion-metric", "bench/twinkle_arithmetic/acc"], "d")
+    config = parse_config(SFTConfig, ["--eval-tasks", "twinkle,./my_tasks/", "--eval-limit", "5"], "d")
+    assert config.eval_tasks == ["twinkle", "./my_tasks/"] and config.benchmark_settings()["limit"] == 5

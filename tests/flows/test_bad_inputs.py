@@ -93,7 +93,7 @@ IN_FLOW = [
      "sft failed: {ws}/with_images.jsonl: none of its 2 rows is usable:\n  {ws}/with_images.jsonl:1: the row carries "
      "images, but this run's model reads text only (its media would be dropped); images and videos train on "
      "vision-language families: Qwen 2.5 VL"),
-    ("dpo-chat-rows", "dpo", ["--dataset", "{ws}/train.jsonl"],
+    ("dpo-chat-rows", "dpo", ["--model-id", "{ws}/tiny-llama", "--dataset", "{ws}/train.jsonl"],
      "{ws}/train.jsonl:10: row has keys ['messages']; a preference row needs 'messages' (or 'prompt') with "
      "'chosen' and 'rejected'"),
 ]

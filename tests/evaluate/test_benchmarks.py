@@ -14,18 +14,19 @@ from twinkle_core.evaluate.benchmarks import (BenchmarkError, benchmark_metrics,
 
 RESULTS = {"results": {"twinkle_arithmetic": {"alias": "twinkle_arithmetic", "exact_match,first-number": 0.25,
                                               "exact_match_stderr,first-number": 0.1},
-                       "twinkle_continuation": {"perplexity,none": 40.0, "perplexity_stderr,none": "N/A",
+                       "twinkle_corpus": {"word_perplexity,none": 40.0, "word_perplexity_stderr,none": "N/A",
                                                 "acc,none": 0.5, "acc_stderr,none": 0.2}},
-           "higher_is_better": {"twinkle_continuation": {"perplexity": False, "acc": True},
+           "higher_is_better": {"twinkle_corpus": {"word_perplexity": False, "acc": True},
                                 "twinkle_arithmetic": {"exact_match": True}}}
 
 
 def test_the_bundled_tasks_plan_with_the_chat_template_where_they_say():
     plan = plan_benchmarks(["twinkle"])
-    assert plan.tasks == ["twinkle_arithmetic", "twinkle_continuation", "twinkle_self_cognition"]
-    assert plan.chat == {"twinkle_arithmetic": True, "twinkle_continuation": False, "twinkle_self_cognition": True}
+    assert plan.tasks == ["twinkle_arithmetic", "twinkle_corpus", "twinkle_self_cognition"]
+    assert plan.chat == {"twinkle_arithmetic": True, "twinkle_corpus": False, "twinkle_self_cognition": True}
     assert not plan.include_defaults  # the harness's own index (~15 s) is not built for bundled tasks
-    assert plan.higher_is_better["twinkle_continuation"] == {"perplexity": False, "acc": True}
+    assert plan.higher_is_better["twinkle_corpus"] == {"word_perplexity": False, "byte_perplexity": False,
+                                                        "bits_per_byte": False}
     assert plan_benchmarks(["twinkle_arithmetic"], chat_template="no").chat == {"twinkle_arithmetic": False}
     assert plan_benchmarks(["twinkle_arithmetic"], has_chat_template=False).chat == {"twinkle_arithmetic": False}
 
@@ -57,14 +58,14 @@ def _user_tasks(folder):
 def test_a_users_task_folder_is_planned_and_scored_like_a_bundled_task(tmp_path, monkeypatch):
     monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path / "cache"))
     _user_tasks(tmp_path / "my_tasks")
-    plan = plan_benchmarks([str(tmp_path / "my_tasks"), "twinkle_continuation"])
-    assert plan.tasks == ["twinkle_continuation", "my_capitals"] and plan.chat["my_capitals"] is False
+    plan = plan_benchmarks([str(tmp_path / "my_tasks"), "twinkle_corpus"])
+    assert plan.tasks == ["twinkle_corpus", "my_capitals"] and plan.chat["my_capitals"] is False
     model = save_tiny_model(tmp_path / "tiny", "llama")
     config = harness.BenchmarkRunConfig(family="llama3", model_path=model, model_hash="tiny", checkpoints={"base": None},
                                         plan=plan, result_path=tmp_path / "out.json", mixed_precision="no", limit=3)
     results = harness.score_cached(config, "base", None)
     metrics = benchmark_metrics(results)
-    assert set(metrics) >= {"bench/my_capitals/acc", "bench/twinkle_continuation/perplexity"}
+    assert set(metrics) >= {"bench/my_capitals/acc", "bench/twinkle_corpus/word_perplexity"}
     assert results["n-samples"]["my_capitals"]["effective"] == 3
     # The same model, tasks and settings again: from the cache, without loading a model.
     monkeypatch.setattr(harness, "harness_model", lambda *_: pytest.fail("scored again"))
@@ -78,19 +79,19 @@ def test_scores_are_named_for_mlflow_and_tabled_base_against_trained():
     metrics = benchmark_metrics(RESULTS)
     assert metrics == {"bench/twinkle_arithmetic/exact_match.first-number": 0.25,
                        "bench/twinkle_arithmetic/exact_match.first-number_stderr": 0.1,
-                       "bench/twinkle_continuation/perplexity": 40.0, "bench/twinkle_continuation/acc": 0.5,
-                       "bench/twinkle_continuation/acc_stderr": 0.2}  # "N/A" stderr is left out
+                       "bench/twinkle_corpus/word_perplexity": 40.0, "bench/twinkle_corpus/acc": 0.5,
+                       "bench/twinkle_corpus/acc_stderr": 0.2}  # "N/A" stderr is left out
     assert set(benchmark_metrics(RESULTS, "base_bench")) == {name.replace("bench/", "base_bench/", 1) for name in metrics}
     trained = json.loads(json.dumps(RESULTS))
-    trained["results"]["twinkle_continuation"]["acc,none"] = 0.75
+    trained["results"]["twinkle_corpus"]["acc,none"] = 0.75
     table = summary_table({"base": RESULTS, "trained": trained}).splitlines()
     assert table[0] == "| task | measure | base | trained | change |"
-    assert "| twinkle_continuation | acc | 0.5 ± 0.2 | 0.75 ± 0.2 | +0.25 |" in table
+    assert "| twinkle_corpus | acc | 0.5 ± 0.2 | 0.75 ± 0.2 | +0.25 |" in table
     assert "| twinkle_arithmetic | exact_match.first-number | 0.25 ± 0.1 | 0.25 ± 0.1 | +0 |" in table
-    assert champion_value(trained, "bench/twinkle_continuation/perplexity") == (40.0, False)
+    assert champion_value(trained, "bench/twinkle_corpus/word_perplexity") == (40.0, False)
     assert champion_value(trained, "bench/twinkle_arithmetic/exact_match.first-number") == (0.25, True)
     with pytest.raises(BenchmarkError, match="is not among the benchmark scores"):
-        champion_value(trained, "bench/twinkle_continuation/bleu")
+        champion_value(trained, "bench/twinkle_corpus/bleu")
 
 
 def test_embedding_and_vision_language_runs_refuse_benchmarks_with_the_reason():

@@ -27,7 +27,7 @@ def _direct(model_dir, adapter_dir) -> dict:
               device="cpu", dtype=torch.float32, batch_size=8)
     manager = TaskManager(include_path=str(BUNDLED_TASKS), include_defaults=False)
     results = {}
-    for tasks, chat in ((["twinkle_arithmetic", "twinkle_self_cognition"], True), (["twinkle_continuation"], False)):
+    for tasks, chat in ((["twinkle_arithmetic", "twinkle_self_cognition"], True), (["twinkle_corpus"], False)):
         out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=LIMIT, apply_chat_template=chat,
                                       log_samples=False, random_seed=1234, numpy_random_seed=1234,
                                       torch_random_seed=1234, fewshot_random_seed=1234)
@@ -46,8 +46,8 @@ def test_sft_benchmarks_equal_the_harness_land_in_mlflow_and_decide_the_champion
     bench = result["benchmarks"]
     trained, base = benchmark_metrics(bench["trained"]), benchmark_metrics(bench["base"])
     assert {"bench/twinkle_self_cognition/acc", "bench/twinkle_arithmetic/exact_match.first-number",
-            "bench/twinkle_continuation/perplexity"} <= set(trained)
-    assert trained["bench/twinkle_continuation/perplexity"] != base["bench/twinkle_continuation/perplexity"]
+            "bench/twinkle_corpus/word_perplexity"} <= set(trained)
+    assert trained["bench/twinkle_corpus/word_perplexity"] != base["bench/twinkle_corpus/word_perplexity"]
     direct = benchmark_metrics(_direct(ws["model"], result["checkpoint"]))
     assert set(direct) == set(trained)
     for name, value in direct.items():  # the flow's worker and the harness's own API: the same numbers
@@ -57,7 +57,7 @@ def test_sft_benchmarks_equal_the_harness_land_in_mlflow_and_decide_the_champion
     run = client.get_run(result["run_id"])
     for name, value in trained.items():
         assert run.data.metrics[name] == value
-    assert run.data.metrics["base_bench/twinkle_continuation/perplexity"] == base["bench/twinkle_continuation/perplexity"]
+    assert run.data.metrics["base_bench/twinkle_corpus/word_perplexity"] == base["bench/twinkle_corpus/word_perplexity"]
     artifacts = {a.path for a in client.list_artifacts(result["run_id"], "benchmarks")}
     assert artifacts == {"benchmarks/results_base.json", "benchmarks/results_trained.json", "benchmarks/summary.md"}
     assert "### Benchmarks (lm-evaluation-harness)" in result["summary"]

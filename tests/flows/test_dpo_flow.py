@@ -39,10 +39,13 @@ def _task_names(flow_run_id) -> list[str]:
 
 
 def test_dpo_flow_raises_reward_accuracy_logs_rewards_and_registers(sft_workspace):
-    state = dpo(_config(sft_workspace), return_state=True)
+    state = dpo(_config(sft_workspace, eval_tasks=["twinkle_corpus"], eval_limit=2), return_state=True)
     result = state.result()
     base, trained = result["reports"]["base"], result["reports"]["trained"]
     assert trained["pairs"] == 3
+    bench = MlflowClient().get_run(result["run_id"]).data.metrics  # --eval-tasks: base and trained, adapter on base
+    assert bench["bench/twinkle_corpus/word_perplexity"] != bench["base_bench/twinkle_corpus/word_perplexity"]
+    assert "### Benchmarks (lm-evaluation-harness)" in result["summary"]
     assert trained["margin"] > base["margin"] and trained["reward_accuracy"] == 1.0
     assert trained["logps_chosen"] > base["logps_chosen"]
     assert f"base reward accuracy: {base['reward_accuracy']:.4f}" in result["summary"]

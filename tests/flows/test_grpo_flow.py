@@ -31,7 +31,8 @@ def test_grpo_flow_raises_the_reward_with_a_user_reward_function(sft_workspace, 
                         eval_dataset=str(_prompts(root / "h.jsonl", PROMPTS)), rewards=["user_rewards:short"],
                         mixed_precision="no", max_steps=10, batch_size=4, num_generations=4, max_completion_length=16,
                         lr=5e-2, use_lora=False, max_length=64, registered_model_name="tiny-grpo",
-                        output_dir=str(root / "runs"), timeout_minutes=10)
+                        output_dir=str(root / "runs"), timeout_minutes=10, eval_tasks=["twinkle_corpus"],
+                        eval_limit=2)
     result = grpo(config)
     client = MlflowClient()
     rewards = [m.value for m in client.get_metric_history(result["run_id"], "reward")]
@@ -47,6 +48,9 @@ def test_grpo_flow_raises_the_reward_with_a_user_reward_function(sft_workspace, 
     run = client.get_run(result["run_id"])
     assert run.data.metrics["eval_mean_reward"] == pytest.approx(trained["mean_reward"])
     assert client.get_model_version_by_alias("tiny-grpo", "champion").run_id == result["run_id"]
+    # --eval-tasks on a full fine-tune: the trained checkpoint scored as it is, beside the base
+    assert run.data.metrics["bench/twinkle_corpus/word_perplexity"] != \
+        run.data.metrics["base_bench/twinkle_corpus/word_perplexity"]
 
 
 def test_grpo_refuses_what_it_cannot_run(tmp_path):

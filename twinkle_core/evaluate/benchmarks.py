@@ -6,7 +6,7 @@ trains, and how their scores are named, compared and cached.
 
 A task is a harness task name (its data already in the local HF datasets cache), a folder of the user's
 holding the harness's YAML files, or one of the tasks this package bundles over its own data sets
-(`twinkle`: self-cognition multiple choice, arithmetic generate_until, a log-likelihood continuation task).
+(`twinkle`: self-cognition multiple choice, arithmetic generate_until, the corpus's rolling log-likelihood).
 The scoring itself runs in its own process (twinkle_core.evaluate.harness), like every model load.
 """
 from __future__ import annotations

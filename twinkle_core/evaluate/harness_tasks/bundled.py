@@ -48,10 +48,6 @@ def arithmetic(**_):
                     for row in _rows(FILES["arithmetic"])])
 
 
-def continuation(**_):
-    """The pretraining corpus's sentences, each cut before its last word (a LAMBADA-style task)."""
-    rows = []
-    for row in _rows(FILES["pretrain"]):
-        context, _, last = row["text"].rstrip().rpartition(" ")
-        rows.append({"context": context, "target": last})  # the harness puts the space between
-    return _splits(rows)
+def corpus(**_):
+    """The texts of the pre-training corpus, each scored whole."""
+    return _splits([{"text": row["text"]} for row in _rows(FILES["pretrain"])])

@@ -581,9 +581,12 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
         if refused:
             raise ApiError(400, f"{', '.join(refused)}: not supported by this server (plain and prompt logprobs are)")
         params = body.sampling_params
-        stop = params.stop
-        if isinstance(stop, str) or (isinstance(stop, (list, tuple)) and any(isinstance(s, str) for s in stop)):
-            raise ApiError(400, "stop strings are not supported by this server; give stop token ids")
+        stop = [params.stop] if isinstance(params.stop, str) else params.stop
+        stop_strings = [s for s in stop or [] if isinstance(s, str)]
+        if stop_strings and len(stop_strings) != len(stop):
+            raise ApiError(400, "stop: give strings or token ids, not both")
+        if any(not s for s in stop_strings):
+            raise ApiError(400, "stop: an empty stop string would stop before the first token")
         if not 1 <= body.num_samples <= 64:
             raise ApiError(400, f"num_samples={body.num_samples}: this server takes 1..64 per request")
         if params.temperature < 0 or not 0 < params.top_p <= 1:
@@ -598,7 +601,8 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
             raise ApiError(400, "only token chunks are supported by this server (a text-only base model)") from None
         args = {"sampler_id": sampler_id, "prompt": prompt, "num_samples": body.num_samples, "max_tokens": max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                "seed": params.seed if params.seed is not None else secrets.randbits(31), "stop_tokens": None if stop is None else [int(t) for t in stop],
+                "seed": params.seed if params.seed is not None else secrets.randbits(31), "stop_tokens": None if stop is None or stop_strings else [int(t) for t in stop],
+                "stop_strings": stop_strings or None,
                 "prompt_logprobs": bool(body.prompt_logprobs)}
 
         def encoded(result, error):

@@ -185,9 +185,12 @@ class TinkerEngine:
     @torch.no_grad()
     def sample(self, sampler_id: str | None, prompt: list[int], num_samples: int, max_tokens: int,
                temperature: float, top_p: float, top_k: int, seed: int | None, stop_tokens: list[int] | None,
-               prompt_logprobs: bool) -> tuple[list[tuple[list[int], list[float], str]], list[float] | None]:
+               prompt_logprobs: bool, stop_strings: list[str] | None = None,
+               ) -> tuple[list[tuple[list[int], list[float], str]], list[float] | None]:
         """`num_samples` completions of `prompt`: each one's tokens, their log-probabilities under the sampled
-        weights (temperature 1, as forward computes them) and why it stopped; the prompt's log-probabilities."""
+        weights (temperature 1, as forward computes them) and why it stopped; the prompt's log-probabilities.
+        `stop_strings`: a completion ends with the token that completes the first of them in its text (the end
+        of sequence token still stops it too)."""
         if not prompt or len(prompt) + max_tokens > self.max_length:
             raise UserError(f"prompt of {len(prompt)} tokens + max_tokens={max_tokens} is over this server's "
                             f"--max-length={self.max_length} (or the prompt is empty)")
@@ -206,8 +209,10 @@ class TinkerEngine:
             scored = [self._sequence_logprobs(prompt + c) for c in completions]
         sequences = []
         for completion, logprobs in zip(completions, scored):
-            stop = "stop" if completion and completion[-1] in eos else "length"
-            sequences.append((completion, logprobs[len(prompt) - 1:].tolist(), stop))
+            cut = _stop_string_end(tokenizer, completion, stop_strings) if stop_strings else None
+            completion = completion if cut is None else completion[:cut]
+            stop = "stop" if cut is not None or (completion and completion[-1] in eos) else "length"
+            sequences.append((completion, logprobs[len(prompt) - 1:len(prompt) - 1 + len(completion)].tolist(), stop))
         first = [float("nan")] + scored[0][:len(prompt) - 1].tolist() if prompt_logprobs and scored else None
         return sequences, first
 
@@ -386,3 +391,13 @@ def _sum_gradients_over_ranks(params: list[torch.nn.Parameter]) -> None:
     for p in params:
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
+
+
+def _stop_string_end(tokenizer, completion: list[int], stop_strings: list[str]) -> int | None:
+    """How many tokens of `completion` it takes for its text to hold one of `stop_strings` (None: it never
+    does). Decoded as a whole prefix at each step: a token's text alone can be part of a character."""
+    for end in range(1, len(completion) + 1):
+        text = tokenizer.decode(completion[:end], skip_special_tokens=False)
+        if any(stop in text for stop in stop_strings):
+            return end
+    return None

@@ -319,6 +319,16 @@ def test_sampling_is_greedy_exact_a_snapshot_and_scores_like_forward(service, ti
         scored = training.forward([_datum(prompt + sequence.tokens, 1)], "cross_entropy").result()
         np.testing.assert_allclose(sequence.logprobs, scored.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:],
                                    atol=1e-5)
+    # a stop string ends a completion with the token that completes it in the text, its logprobs cut alike
+    whole = trained.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(
+        max_tokens=5, temperature=0.0, stop=[])).result().sequences[0]
+    decode = training.get_tokenizer().decode
+    texts = [decode(whole.tokens[:k]) for k in range(len(whole.tokens) + 1)]
+    k = next(k for k in range(1, len(texts)) if texts[k] and texts[k] != texts[k - 1])
+    stopped = trained.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(
+        max_tokens=5, temperature=0.0, stop=texts[k])).result().sequences[0]
+    assert stopped.tokens == whole.tokens[:k] and stopped.stop_reason == "stop"
+    np.testing.assert_allclose(stopped.logprobs, whole.logprobs[:k], atol=1e-6)
     # registered as the flows register a model: the adapter on its base, answering through pyfunc like the sampler
     import mlflow
 

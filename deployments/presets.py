@@ -50,6 +50,8 @@ FLOWS: dict[str, dict[str, Preset]] = {
             {"model_id": "hf://Qwen/Qwen2.5-7B-Instruct", "backend": "megatron", "nproc_per_node": 2, "tp_size": 2,
              "mixed_precision": "bf16", "lora_r": 16, "lora_alpha": 32, "lr": 1e-4, "max_length": 2048,
              "batch_size": 8, "checkpoint_every": 100}),
+        "benchmarks": Preset("The embedded default, then the bundled benchmarks (lm-evaluation-harness) of the base "
+                             "and the trained model, side by side.", {"eval_tasks": ["twinkle"]}),
         "nightly": Preset(
             "Nightly re-train of the default at 02:00 Berlin time; the registry promotes the result only if it "
             "beats the champion.", {"epochs": 2}, cron="0 2 * * *", timezone="Europe/Berlin"),
@@ -101,6 +103,10 @@ FLOWS: dict[str, dict[str, Preset]] = {
             "The training service on Qwen 2.5 7B Instruct in bf16 for up to 16 tenants of LoRA rank <= 32 (one GPU).",
             {"model_id": "hf://Qwen/Qwen2.5-7B-Instruct", "precision": "bf16", "max_tenants": 16, "max_lora_rank": 32,
              "host": "0.0.0.0"}),
+    },
+    "flows/evaluate.py:evaluate_registered": {
+        "champion": Preset("The bundled benchmarks of the default run's champion and its base; the scores go on "
+                           "the version.", {"model": "models:/twinkle-SmolLM2-135M-Instruct.Q4_1@champion"}),
     },
     "flows/convert.py:convert_checkpoint": {
         "smollm2-to-megatron": Preset(

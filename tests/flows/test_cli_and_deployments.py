@@ -98,9 +98,15 @@ def test_deployment_presets_are_valid_flow_parameters():
     from deployments.presets import build_deployments
 
     deployments = {d.name: d for d in build_deployments() if d.flow_name == "sft"}
-    assert set(deployments) == {"default", "qwen2.5-lora", "qwen2.5-tp2", "qwen2.5-megatron-tp2", "nightly"}
+    assert set(deployments) == {"default", "qwen2.5-lora", "qwen2.5-tp2", "qwen2.5-megatron-tp2", "benchmarks",
+                                "nightly"}
     for deployment in deployments.values():
         SFTConfig.model_validate(deployment.parameters["config"])
+    assert SFTConfig.model_validate(deployments["benchmarks"].parameters["config"]).eval_tasks == ["twinkle"]
+    from flows.evaluate import EvaluateConfig
+
+    (champion,) = [d for d in build_deployments() if d.flow_name == "evaluate"]
+    assert EvaluateConfig.model_validate(champion.parameters["config"]).tasks == ["twinkle"]
     assert deployments["nightly"].schedules[0].schedule.cron == "0 2 * * *"
     from flows.pretrain import PretrainConfig
 

@@ -34,7 +34,8 @@ from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
 from tasks.train import train
-from twinkle_core.config.fields import (AdapterFields, BackendFields, BenchmarkFields, BatchSize, ChatDataFields, CheckpointFields,
+from twinkle_core.config.fields import (AdapterFields, BackendFields, BenchmarkFields, BatchSize, ChatDataFields,
+                                        CheckpointFields,
                                         DataParallelFields, DatasetId, DataSourceFields, Epochs, EvalDatasetId,
                                         EvalFields, ExperimentName, LearningRate, LoopFields, MachinesFields,
                                         MaxLength, ModelParallelFields, OptimizerFields, PreferenceFields,
@@ -48,7 +49,8 @@ DEFAULT_EVAL_DATASET = "pkg://twinkle_core/datasets/preference/heldout.jsonl"
 CHAMPION_METRIC = "reward_accuracy"  # a new version becomes champion when its held-out reward accuracy is higher
 
 
-class DPOConfig(RunFields, BenchmarkFields, EvalFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
+class DPOConfig(RunFields, BenchmarkFields, EvalFields, ModelParallelFields, DataParallelFields, MachinesFields,
+                ProcessFields,
                 OptimizerFields, LoopFields, CheckpointFields, AdapterFields, PreferenceFields, ChatDataFields,
                 BackendFields, DataSourceFields, TrainingFlowConfig):
     """Parameters of the dpo flow (the Prefect UI form and the CLI options; groups listed last-first)."""
@@ -154,13 +156,13 @@ def dpo(config: DPOConfig = DPOConfig()) -> dict:
                                 **champion_metric(config, bench, reports["trained"][CHAMPION_METRIC],
                                                   "eval_" + CHAMPION_METRIC, True))
     run_id, links = tracked.run_id, tracked.links
-    summary = with_benchmarks(render_dpo_summary(config, prompts, reports, registration, run_id, checkpoint, train_data, model.family,
-                                 links), bench)
+    summary = with_benchmarks(render_dpo_summary(config, prompts, reports, registration, run_id, checkpoint,
+                                                 train_data, model.family, links), bench)
     create_markdown_artifact(summary, key="dpo-summary", description="base vs trained on held-out preference pairs")
     get_run_logger().info("run summary:\n%s", summary)
     return {"summary": summary, "run_id": run_id, "registration": registration, "reports": reports,
-            "benchmarks": bench, "checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss, "train_data": train_data.path,
-            "family": model.family}
+            "benchmarks": bench, "checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss,
+            "train_data": train_data.path, "family": model.family}
 
 
 def main(argv: list[str] | None = None) -> int:

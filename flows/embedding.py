@@ -29,7 +29,8 @@ from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
 from tasks.train import train
-from twinkle_core.config.fields import (AdapterFields, BackendFields, BenchmarkFields, CheckpointFields, DataParallelFields, DatasetId,
+from twinkle_core.config.fields import (AdapterFields, BackendFields, BenchmarkFields, CheckpointFields,
+                                        DataParallelFields, DatasetId,
                                         BatchSize, DataSourceFields, EmbeddingDataFields, EmbeddingFields, EvalDatasetId,
                                         ExperimentName, LearningRate, LoopFields, MachinesFields, ModelId,
                                         ModelParallelFields, OptimizerFields, ProcessFields, RegisteredModelName,
@@ -47,8 +48,8 @@ DEFAULT_EVAL_DATASET = "pkg://twinkle_core/datasets/retrieval/heldout.jsonl"
 CHAMPION_METRIC = "recall@1"  # a new version becomes champion when its held-out recall@1 is higher
 
 
-class EmbeddingConfig(RunFields, BenchmarkFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
-                      OptimizerFields, LoopFields, CheckpointFields, AdapterFields, EmbeddingFields,
+class EmbeddingConfig(RunFields, BenchmarkFields, ModelParallelFields, DataParallelFields, MachinesFields,
+                      ProcessFields, OptimizerFields, LoopFields, CheckpointFields, AdapterFields, EmbeddingFields,
                       EmbeddingDataFields, BackendFields, DataSourceFields, TrainingFlowConfig):
     """Parameters of the embedding flow (the Prefect UI form and the CLI options; groups listed last-first)."""
 

@@ -23,11 +23,12 @@ from flows.run_folder import discard_bare_run_folder, run_folder
 from tasks.benchmark import benchmark, check_benchmarks
 from tasks.refs import ModelRef
 from twinkle_core.config.fields import (EvalBatchSize, EvalChatTemplate, EvalGenKwargs, EvalLimit, EvalNumFewshot,
-                                        EvalTasks, MixedPrecisionMode, OutputDir, TimeoutMinutes)
+                                        EvalTasks, MixedPrecisionMode, OutputDir, TimeoutMinutes, comma_list)
 from twinkle_core.evaluate.benchmarks import benchmark_metrics
 from twinkle_core.tracking import tracking_uri
 
-RegisteredModelUri = Annotated[str, Field(description="The version to score: models:/NAME@ALIAS or models:/NAME/VERSION.")]
+RegisteredModelUri = Annotated[str, Field(description="The version to score: models:/NAME@ALIAS or "
+                                                      "models:/NAME/VERSION.")]
 
 
 class EvaluateConfig(BaseModel):
@@ -49,10 +50,7 @@ class EvaluateConfig(BaseModel):
     output_dir: OutputDir = "runs"
     timeout_minutes: TimeoutMinutes = 120
 
-    @field_validator("tasks", mode="before")
-    @classmethod
-    def _one_task_is_a_list(cls, value):
-        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+    _one_task_is_a_list = field_validator("tasks", mode="before")(comma_list)
 
     @model_validator(mode="after")
     def _check_uri(self):

@@ -31,8 +31,8 @@ from tasks.refs import ModelRef
 from tasks.register import register
 from tasks.tokenize import tokenize
 from tasks.train import train
-from twinkle_core.config.fields import (AdapterFields, BackendFields, BenchmarkFields, BatchSize, ChatDataFields, CheckpointEvery,
-                                        CheckpointFields,
+from twinkle_core.config.fields import (AdapterFields, BackendFields, BenchmarkFields, BatchSize, ChatDataFields,
+                                        CheckpointEvery, CheckpointFields,
                                         DataParallelFields, DatasetId, DataSourceFields, Epochs, EvalDatasetId,
                                         ExperimentName, GrpoFields, LearningRate, LoopFields, MachinesFields,
                                         MaxCompletionLength, MaxLength, MaxSteps, ModelParallelFields,
@@ -48,7 +48,8 @@ NUMBER_ONLY = r"\s*-?\d+(\.\d+)?\.?\s*"
 CHAMPION_METRIC = "mean_reward"  # a new version becomes champion when its held-out mean reward is higher
 
 
-class GRPOConfig(RunFields, BenchmarkFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields, OptimizerFields,
+class GRPOConfig(RunFields, BenchmarkFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
+                 OptimizerFields,
                  LoopFields, CheckpointFields, AdapterFields, GrpoFields, ChatDataFields, BackendFields,
                  DataSourceFields, TrainingFlowConfig):
     """Parameters of the grpo flow (the Prefect UI form and the CLI options; groups listed last-first)."""
@@ -162,12 +163,13 @@ def grpo(config: GRPOConfig = GRPOConfig()) -> dict:
                                 **champion_metric(config, bench, reports["trained"][CHAMPION_METRIC],
                                                   "eval_" + CHAMPION_METRIC, True))
     run_id, links = tracked.run_id, tracked.links
-    summary = with_benchmarks(render_grpo_summary(config, reports, registration, run_id, checkpoint, train_data, model.family, links), bench)
+    summary = with_benchmarks(render_grpo_summary(config, reports, registration, run_id, checkpoint, train_data,
+                                                  model.family, links), bench)
     create_markdown_artifact(summary, key="grpo-summary", description="base vs trained on held-out prompts")
     get_run_logger().info("run summary:\n%s", summary)
     return {"summary": summary, "run_id": run_id, "registration": registration, "reports": reports,
-            "benchmarks": bench, "checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss, "train_data": train_data.path,
-            "family": model.family}
+            "benchmarks": bench, "checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss,
+            "train_data": train_data.path, "family": model.family}
 
 
 def main(argv: list[str] | None = None) -> int:

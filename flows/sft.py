@@ -44,7 +44,8 @@ DEFAULT_DATASET = "pkg://twinkle_core/datasets/self_cognition/train.jsonl"
 DEFAULT_EVAL_DATASET = "pkg://twinkle_core/datasets/self_cognition/heldout.jsonl"
 
 
-class SFTConfig(RunFields, BenchmarkFields, EvalFields, ModelParallelFields, DataParallelFields, MachinesFields, ProcessFields,
+class SFTConfig(RunFields, BenchmarkFields, EvalFields, ModelParallelFields, DataParallelFields, MachinesFields,
+                ProcessFields,
                 OptimizerFields, BatchingFields, LoopFields, CheckpointFields, AdapterFields, VisionFields,
                 PackedChatDataFields, BackendFields, DataSourceFields, TrainingFlowConfig):
     """Parameters of the sft flow (the Prefect UI form and the CLI options; groups listed last-first)."""
@@ -122,8 +123,8 @@ def sft(config: SFTConfig = SFTConfig()) -> dict:
     create_markdown_artifact(summary, key="sft-summary", description="base vs trained model")
     get_run_logger().info("run summary:\n%s", summary)
     return {"summary": summary, "run_id": run_id, "registration": registration, "reports": reports,
-            "benchmarks": bench, "checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss, "train_data": train_data.path,
-            "family": model.family}
+            "benchmarks": bench, "checkpoint": checkpoint.path, "probe_loss": checkpoint.probe_loss,
+            "train_data": train_data.path, "family": model.family}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,6 @@
 models scored by lm-evaluation-harness in a worker process, the scores logged to MLflow."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -13,22 +12,13 @@ from tasks.eval_worker import run_eval_worker
 from tasks.refs import ModelRef
 from twinkle_core.evaluate.benchmarks import BenchmarkPlan, benchmark_metrics, plan_benchmarks, summary_table
 from twinkle_core.tracking import tracking_uri
-
-
-def _has_chat_template(model: ModelRef) -> bool:
-    from twinkle_core.families import get_family
-
-    if model.template_source or get_family(model.family).chat_template:
-        return True
-    config = Path(model.path) / "tokenizer_config.json"
-    return (Path(model.path) / "chat_template.jinja").is_file() or (
-        config.is_file() and "chat_template" in json.loads(config.read_text()))
+from twinkle_core.train.checks import has_chat_template
 
 
 @task
 def check_benchmarks(tasks: list[str], chat_template: str, model: ModelRef) -> BenchmarkPlan:
     """Every task found and its data loaded offline now, so a task that cannot run fails before training."""
-    plan = plan_benchmarks(tasks, chat_template, _has_chat_template(model))
+    plan = plan_benchmarks(tasks, chat_template, has_chat_template(model))
     get_run_logger().info("benchmarks: %s (chat template on %s)", ", ".join(plan.tasks),
                           ", ".join(t for t in plan.tasks if plan.chat[t]) or "none")
     return plan
@@ -39,8 +29,8 @@ def benchmark(model: ModelRef, checkpoint: str | None, plan: BenchmarkPlan, sett
               mixed_precision: str, mlflow_run_id: str | None = None, timeout_s: float | None = None,
               tokenizer_path: str | None = None, with_base: bool = True) -> dict:
     """Scores of the base and, given a checkpoint folder (an adapter or a whole model), of the trained model:
-    {"base": results, "trained": results, "table": markdown}. Metrics go to the MLflow run as bench/TASK/MEASURE (trained) and base_bench/... (base),
-    the harness's own results JSON as artifacts under benchmarks/."""
+    {"base": results, "trained": results, "table": markdown}. Metrics go to the MLflow run as bench/TASK/MEASURE
+    (trained) and base_bench/... (base), the harness's own results JSON as artifacts under benchmarks/."""
     from twinkle_core.evaluate.harness import BenchmarkRunConfig
 
     run_dir = Path(run_dir)

@@ -449,6 +449,11 @@ ChampionMetric = Annotated[str | None, Field(description="A benchmark score that
                                                          "empty: the flow's own held-out metric.")]
 
 
+def comma_list(value):
+    """A list option given as one string ("twinkle" or "a,b") is the list of its comma-separated parts."""
+    return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+
+
 class BenchmarkFields(BaseModel):
     """Standard benchmarks in the evaluate step, through lm-evaluation-harness."""
 
@@ -461,10 +466,7 @@ class BenchmarkFields(BaseModel):
     champion_metric: ChampionMetric = None
     benchmarks_refused: ClassVar[str | None] = None  # why a flow's models cannot be benchmarked (yet)
 
-    @field_validator("eval_tasks", mode="before")
-    @classmethod
-    def _one_task_is_a_list(cls, value):
-        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+    _one_task_is_a_list = field_validator("eval_tasks", mode="before")(comma_list)
 
     def benchmark_problems(self) -> list[str]:
         """What is wrong before anything runs (the tasks themselves are checked after download, offline)."""

@@ -147,8 +147,9 @@ def _load_offline(manager, names: list[str]) -> dict[str, dict]:
                 loaded[name] = manager.load([name])
             except Exception as error:  # the harness raises what datasets raises: ConnectionError, FileNotFound...
                 cache = os.environ.get("HF_DATASETS_CACHE") or str(Path.home() / ".cache" / "huggingface" / "datasets")
+                first_line = (str(error).splitlines() or [""])[0]
                 raise BenchmarkError(
-                    f"eval task {name!r} cannot run offline: {type(error).__name__}: {(str(error).splitlines() or [''])[0]} "
+                    f"eval task {name!r} cannot run offline: {type(error).__name__}: {first_line} "
                     f"(looked in the HF datasets cache at {cache}; no hub is used for benchmarks: load the data set "
                     "once on a machine with access, or give a task folder with local data)") from None
     return loaded

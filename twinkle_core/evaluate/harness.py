@@ -20,6 +20,7 @@ from twinkle_core.entry import worker_config_path
 from twinkle_core.evaluate.benchmarks import BenchmarkError, BenchmarkPlan, offline, quiet_harness, task_manager
 
 logger = logging.getLogger(__name__)
+TOKENIZER_FILES = ("tokenizer", "special_tokens", "added_tokens", "chat_template", "vocab", "merges")
 KEPT = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
 
 
@@ -73,8 +74,9 @@ def harness_model(config: BenchmarkRunConfig, checkpoint: Path | None):
     adapter = checkpoint is not None and (checkpoint / "adapter_config.json").exists()
     weights = config.model_path if checkpoint is None or adapter else checkpoint
     return HFLM(pretrained=str(weights), peft=str(checkpoint) if adapter else None,
-                tokenizer=tokenizer_for(config, config.tokenizer_path or config.model_path), dtype=_dtype(config.mixed_precision),
-                device="cuda" if torch.cuda.is_available() else "cpu", batch_size=config.batch_size,
+                tokenizer=tokenizer_for(config, config.tokenizer_path or config.model_path),
+                dtype=_dtype(config.mixed_precision), device="cuda" if torch.cuda.is_available() else "cpu",
+                batch_size=config.batch_size,
                 trust_remote_code=config.trust_remote_code)
 
 
@@ -114,10 +116,13 @@ def cache_key(config: BenchmarkRunConfig, checkpoint: Path | None) -> str:
     """What decides a model's scores: its weights, the tasks' files and names, every setting, the harness."""
     import lm_eval
 
-    from twinkle_core.hashing import hash_json, hash_tree
+    from twinkle_core.hashing import hash_file, hash_json, hash_tree
 
+    tokenizer = config.tokenizer_path  # another folder's tokenizer and chat template (a registered version's)
     return hash_json({
         "model": config.model_hash, "checkpoint": hash_tree(checkpoint) if checkpoint else None,
+        "tokenizer": hash_json({p.name: hash_file(p) for p in sorted(tokenizer.iterdir()) if p.name.startswith(
+            TOKENIZER_FILES)}) if tokenizer else None,
         "plan": config.plan.model_dump(), "lm_eval": lm_eval.__version__,
         "settings": BenchmarkSettings.model_validate(config.model_dump(include=set(BenchmarkSettings.model_fields)))
         .model_dump(),

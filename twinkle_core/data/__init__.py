@@ -1,6 +1,6 @@
 """Training data: load and validate rows, encode them with label masks, pack, batch and cache."""
 from .chat_templates import chat_template_names, get_chat_template
-from .collate import block_causal_mask, collate, collate_padding_free
+from .collate import block_causal_mask, collate, collate_padding_free, shared_prefix_length
 from .encode import IGNORE_INDEX, count_trained_tokens, encode_chat, encode_prompt, encode_text, truncate
 from .errors import ChatTemplateError, DatasetError, RowError
 from .formats import RowFormat, get_row_format, register_row_format, row_kinds
@@ -20,6 +20,6 @@ __all__ = [
     "encode_text",
     "ensure_chat_template", "get_chat_template", "get_row_format", "load_rows", "load_tokenized",
     "no_template_message", "pack_examples", "read_chat_template", "read_meta", "register_row_format", "render_chat",
-    "row_kinds", "use_chat_template",
+    "row_kinds", "shared_prefix_length", "use_chat_template",
     "tokenize_dataset", "truncate", "validate_chat_row", "validate_text_row",
 ]

@@ -66,7 +66,28 @@ def collate(
     return batch
 
 
-def collate_padding_free(examples: list[dict]) -> dict[str, torch.Tensor]:
+def shared_prefix_length(examples: list[dict]) -> int:
+    """How many leading tokens all `examples` share without training on them: the longest common prefix of their
+    input_ids such that no label in it, nor the label right after it, is a target (nothing is predicted from a
+    shared position), leaving each example at least one token of its own. 0 for fewer than two examples or for
+    packed ones (with position_ids)."""
+    if len(examples) < 2 or any(example.get("position_ids") is not None for example in examples):
+        return 0
+    first = examples[0]["input_ids"]
+    shared = len(first)
+    for example in examples:
+        ids, labels = example["input_ids"], example["labels"]
+        limit, common = min(shared, len(ids) - 1), 0
+        while common < limit and ids[common] == first[common]:
+            common += 1
+        trained = next((index for index, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+        shared = min(common, trained - 1)
+        if shared <= 0:
+            return 0
+    return shared
+
+
+def collate_padding_free(examples: list[dict], share_prefix: bool = True) -> dict[str, torch.Tensor]:
     """One row of every sample laid end to end, with no padding (what the `twinkle_sdpa` attention takes).
 
     Plain and packed examples alike: position_ids restart at 0 for each sample, `cu_seq_lens_q` holds the
@@ -74,28 +95,43 @@ def collate_padding_free(examples: list[dict]) -> dict[str, torch.Tensor]:
     sample's first label is dropped (-100): with the causal shift it would be predicted from the previous
     sample's last token, and in a padded batch it is never a target either. The loss equals that of
     `collate`'s padded batch on the same examples.
+
+    `share_prefix`: plain examples that begin with the same untrained tokens (a chat template's system prompt,
+    shared tool schemas) keep that prefix once: the first sample is whole, every later one holds only the tokens
+    after it (positions continuing from the prefix's length), and `shared_prefix_length` tells the attention
+    that those samples also attend to the row's first that many tokens. Causal attention makes the prefix's
+    states the same in every sample, so the loss and gradients are those of the unshared batch (to rounding)
+    while every layer runs over fewer tokens.
     """
     if not examples:
         raise ValueError("collate_padding_free needs at least one example")
+    shared = shared_prefix_length(examples) if share_prefix else 0
     input_ids: list[int] = []
     labels: list[int] = []
     positions: list[int] = []
-    for example in examples:
-        ids = list(example["input_ids"])
+    starts: list[int] = []
+    for index, example in enumerate(examples):
+        skip = shared if index else 0  # later samples continue the first one's prefix
+        ids = list(example["input_ids"])[skip:]
         own = example.get("position_ids")
-        own = list(range(len(ids))) if own is None else list(own)
-        row_labels = list(example["labels"])
+        own = list(range(skip, skip + len(ids))) if own is None else list(own)
+        row_labels = list(example["labels"])[skip:]
         for start, position in enumerate(own):
             if position == 0:
                 row_labels[start] = IGNORE_INDEX
+                starts.append(len(input_ids) + start)
+        if skip:
+            starts.append(len(input_ids))
         input_ids += ids
         labels += row_labels
         positions += own
     position_ids = torch.tensor([positions], dtype=torch.long)
-    starts = torch.nonzero(position_ids[0] == 0).flatten()
-    bounds = torch.cat([starts, torch.tensor([position_ids.shape[1]])]).to(torch.int32)
-    return {"input_ids": torch.tensor([input_ids], dtype=torch.long),
-            "labels": torch.tensor([labels], dtype=torch.long),
-            "position_ids": position_ids,
-            "attention_mask": torch.ones_like(position_ids),
-            "cu_seq_lens_q": bounds}
+    bounds = torch.tensor(starts + [len(positions)], dtype=torch.int32)
+    batch = {"input_ids": torch.tensor([input_ids], dtype=torch.long),
+             "labels": torch.tensor([labels], dtype=torch.long),
+             "position_ids": position_ids,
+             "attention_mask": torch.ones_like(position_ids),
+             "cu_seq_lens_q": bounds}
+    if shared:
+        batch["shared_prefix_length"] = torch.tensor([shared], dtype=torch.int32)
+    return batch

@@ -72,43 +72,59 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
     return out.to(dtype)
 
 
-def _segments(bounds: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """For samples laid end to end (offsets `bounds`): the index that lays them out as a right-padded
-    [samples, longest] batch (padding repeats a sample's own first token), the flat positions of the real
-    tokens in that batch, the number of samples and the longest."""
+def _segments(bounds: torch.Tensor, prefix: int, device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """For samples laid end to end (offsets `bounds`), every one after the first continuing the row's first
+    `prefix` tokens: the index that lays them out as a right-padded [samples, longest] batch (a later sample's row
+    reads the prefix, then its own tokens; padding repeats the sample's first token), the flat positions of the
+    outputs to keep in that batch (each token once: the prefix's in the first sample's row), the number of
+    samples and the longest row."""
     starts, lengths = bounds[:-1].long(), (bounds[1:] - bounds[:-1]).long()
-    longest = int(lengths.max())
-    steps = torch.arange(longest, device=device)
-    real = steps[None, :] < lengths[:, None]
-    index = starts[:, None] + torch.where(real, steps[None, :], 0)
-    return index.flatten(), torch.nonzero(real.flatten()).flatten(), len(lengths), longest
+    lead = torch.full_like(lengths, prefix)
+    lead[0] = 0
+    rows = lead + lengths
+    longest = int(rows.max())
+    steps = torch.arange(longest, device=device)[None, :]
+    real = steps < rows[:, None]
+    own = starts[:, None] + steps - lead[:, None]
+    index = torch.where(steps < lead[:, None], steps, torch.where(real, own, starts[:, None]))
+    keep = real & (steps >= lead[:, None])
+    return index.flatten(), torch.nonzero(keep.flatten()).flatten(), len(lengths), longest
 
 
 def twinkle_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
-                 cu_seq_lens_q: torch.Tensor | None = None, **kwargs):
-    """Transformers' attention-interface signature: q [b, heads, s, d], k/v [b, kv_heads, s, d] → [b, s, heads, d]."""
+                 cu_seq_lens_q: torch.Tensor | None = None, shared_prefix_length: torch.Tensor | None = None,
+                 **kwargs):
+    """Transformers' attention-interface signature: q [b, heads, s, d], k/v [b, kv_heads, s, d] → [b, s, heads, d].
+
+    `shared_prefix_length` (collate_padding_free's shared prefix): every sample after the first also attends to
+    the row's first that many tokens, as if they came before its own."""
     if cu_seq_lens_q is None or query.shape[2] != key.shape[2]:  # no boundaries, or decoding with a cache
         return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs), None
     if query.shape[0] != 1:
         raise ValueError(f"padding-free attention takes one row of samples laid end to end; got a batch of "
                          f"{query.shape[0]}")
+    prefix = 0 if shared_prefix_length is None else int(shared_prefix_length.reshape(-1)[0])
     bounds = cu_seq_lens_q.tolist()
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+    spans = [(start, end) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+    lengths = [end - start + (prefix if i else 0) for i, (start, end) in enumerate(spans)]
     if max(lengths) >= LOOP_MIN_LENGTH and len(lengths) * max(lengths) ** 2 > LOOP_WASTE * sum(n * n for n in lengths):
         # Long samples of uneven lengths: one kernel call per sample does a fraction of a padded batch's work.
-        outs = [_attention(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None,
-                           dropout, scaling, True, **kwargs)
-                for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+        def sample(x, i, start, end):
+            return x[:, :, start:end] if not (i and prefix) else torch.cat([x[:, :, :prefix], x[:, :, start:end]], 2)
+
+        outs = [_attention(module, sample(query, i, *span), sample(key, i, *span), sample(value, i, *span), None,
+                           dropout, scaling, True, **kwargs)[:, prefix if i else 0:]
+                for i, span in enumerate(spans)]
         return torch.cat(outs, dim=1), None
     # Short or even samples: a right-padded batch for one kernel call. Causal attention never lets a real token see
     # the padding after it, and the padding's outputs are dropped.
-    index, real, samples, longest = _segments(cu_seq_lens_q.to(query.device), query.device)
+    index, keep, samples, longest = _segments(cu_seq_lens_q.to(query.device), prefix, query.device)
 
     def padded(x):
         return x[0][:, index].unflatten(1, (samples, longest)).transpose(0, 1)
 
     out = _attention(module, padded(query), padded(key), padded(value), None, dropout, scaling, True, **kwargs)
-    return out.flatten(0, 1)[real][None], None
+    return out.flatten(0, 1)[keep][None], None
 
 
 def _register() -> None:

@@ -64,9 +64,11 @@ def _messages_of(row: dict | list) -> list[dict]:
 
 
 def count_input_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Non-padding tokens in a batch (all tokens when there is no 2-D attention mask); every 2-D
-    *attention_mask (an embedding batch has one for queries and one for documents) counts."""
+    """Non-padding tokens in a batch (all tokens when there is no 2-D attention mask), a shared prefix counted in
+    every sample that reads it; every 2-D *attention_mask (an embedding batch has one for queries and one for
+    documents) counts."""
     masks = [v for k, v in batch.items() if k.endswith("attention_mask") and v.dim() == 2]
-    if masks:
-        return sum(int(mask.sum()) for mask in masks)
-    return batch["input_ids"].numel()
+    tokens = sum(int(mask.sum()) for mask in masks) if masks else batch["input_ids"].numel()
+    if "shared_prefix_length" in batch:  # a padding-free row holds a shared prefix once for all its samples
+        tokens += int(batch["shared_prefix_length"].reshape(-1)[0]) * (len(batch["cu_seq_lens_q"]) - 2)
+    return tokens

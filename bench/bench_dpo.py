@@ -15,8 +15,9 @@ log-probs) on both sides:
 
 - ours: `TransformersModel(objective="preference", mixed_precision="no", objective_options={"loss_type":
   "sigmoid", "beta": 0.1})` with `add_adapter_to_model("default", LoraConfig(...))`, `forward_backward` on
-  batches tokenised and collated before the clock starts (twinkle_core.data.preference: 2n rows, the n
-  chosen then the n rejected), then `clip_grad_and_step(1.0)`;
+  batches tokenised and collated before the clock starts (twinkle_core.data.preference: the n chosen then the n
+  rejected sequences, padding-free in one row with each pair's prompt held once, as the model trains by
+  default), then `clip_grad_and_step(1.0)`;
 - trl: `DPOTrainer(model=AutoModelForCausalLM(the same folder, fp32), ref_model=None, peft_config=
   LoraConfig(...))` with `DPOConfig(beta=0.1, loss_type=["sigmoid"], max_length, truncation_mode=
   "keep_start", precompute_ref_log_probs=False, gradient_checkpointing=False` (trl's default is True),
@@ -124,12 +125,13 @@ def summary(step_seconds: list[float], step_tokens: list[int], span: float, warm
             "tokens_per_s_incl_data": tokens / span, "first_loss": losses[0], "last_loss": losses[-1]}
 
 
-def our_batches(tokenizer, rows: list[dict], args, sft: bool) -> list[dict]:
-    """Collated steps of `--batch-size` pairs: DPO's 2n rows (chosen, then rejected), or, for SFT, the same 2n
-    sequences as chat rows with their reply labelled."""
+def our_batches(tokenizer, rows: list[dict], args, sft: bool, padding_free: bool = False) -> list[dict]:
+    """Collated steps of `--batch-size` pairs: DPO's 2n sequences (chosen, then rejected; padding-free: in one
+    row, each pair's prompt once), or, for SFT, the same 2n sequences as chat rows with their reply labelled."""
     from twinkle_core.data.collate import collate
     from twinkle_core.data.encode import encode_chat
-    from twinkle_core.data.preference import collate_preferences, encode_preference_row, truncate_preference
+    from twinkle_core.data.preference import (collate_preferences, collate_preferences_padding_free,
+                                              encode_preference_row, truncate_preference)
 
     batches = []
     for i in range(0, len(rows), args.batch_size):
@@ -140,7 +142,8 @@ def our_batches(tokenizer, rows: list[dict], args, sft: bool) -> list[dict]:
             batches.append(collate(chats, pad_token_id=tokenizer.pad_token_id))
         else:
             examples = [truncate_preference(encode_preference_row(tokenizer, row), args.max_length) for row in chunk]
-            batches.append(collate_preferences(examples, tokenizer.pad_token_id))
+            batches.append(collate_preferences_padding_free(examples) if padding_free else
+                           collate_preferences(examples, tokenizer.pad_token_id))
     return batches
 
 
@@ -148,6 +151,7 @@ def run_ours(path: str, rows: list[dict], args, sft: bool = False, profile: bool
     import torch
 
     from twinkle_core.models import LoraConfig, TransformersModel
+    from twinkle_core.models.batches import count_input_tokens
 
     if sft:
         model = TransformersModel(path, mixed_precision="no")
@@ -157,8 +161,8 @@ def run_ours(path: str, rows: list[dict], args, sft: bool = False, profile: bool
     torch.manual_seed(0)  # the LoRA A init (trl seeds itself with seed=0 before adding its adapter)
     model.add_adapter_to_model("default", LoraConfig(**LORA))
     model.set_optimizer("AdamW", lr=LR, weight_decay=WEIGHT_DECAY)
-    batches = our_batches(model.tokenizer, rows, args, sft)
-    step_tokens = [int(b["attention_mask"].sum()) for b in batches]
+    batches = our_batches(model.tokenizer, rows, args, sft, model.padding_free)
+    step_tokens = [count_input_tokens(b) for b in batches]  # a prompt held once counts in both sequences
     step_seconds, losses, span_start = [], [], None
     profiler = None
     for i, batch in enumerate(batches):

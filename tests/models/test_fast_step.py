@@ -86,7 +86,7 @@ def test_a_shared_prompt_prefix_runs_once_and_trains_exactly_like_padded_rows(ti
     prefix = shared_prefix_length(examples)
     assert prefix > 30  # the template's header and the whole system prompt
     batch = collate_padding_free(examples)
-    assert int(batch["shared_prefix_length"][0]) == prefix
+    assert batch["prefix_spans"].tolist() == [[0, 0]] + [[0, prefix]] * 3
     assert batch["input_ids"].shape == (1, sum(len(e["input_ids"]) for e in examples) - 3 * prefix)
     assert batch["position_ids"][0, batch["cu_seq_lens_q"][1]] == prefix  # the second sample goes on from the prefix
     reference_batch = collate(examples, pad_token_id=padded.tokenizer.pad_token_id)

@@ -13,6 +13,7 @@ from twinkle_core.data import DatasetError, load_tokenized, tokenize_dataset
 from twinkle_core.data.encode import IGNORE_INDEX
 from twinkle_core.data.preference import collate_preferences, encode_preference_row, validate_preference_row
 from twinkle_core.models import LoraConfig, TransformersModel
+from twinkle_core.objectives.preference import METRICS as METRIC_NAMES
 from twinkle_core.objectives.preference import preference_loss_sum, reference_logps, sequence_logps
 
 PAIRS = [
@@ -127,6 +128,37 @@ def test_lora_reference_is_the_base_without_a_copy(llama):
         last = model.forward_backward(rows)
         model.clip_grad_and_step(1.0)
     assert last < first and model.calculate_metric()["rewards/accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo"])
+def test_padding_free_pairs_hold_each_prompt_once_and_train_like_padded_ones(llama, loss_type):
+    """The default padding-free batch: chosen sequences whole, each rejected reply continuing its pair's prompt
+    (not repeated); losses, metrics and the adapter after 3 steps equal the padded batch's (fp32, 1e-5)."""
+    rows = [_ours_row(pair) for pair in PAIRS]
+
+    def trained(padding_free: bool):
+        torch.manual_seed(0)
+        model = TransformersModel(str(llama), objective="preference", mixed_precision="no", padding_free=padding_free,
+                                  objective_options={"loss_type": loss_type, "beta": 0.5})
+        model.add_adapter_to_model("default", LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+        model.set_optimizer("AdamW", lr=1e-2)
+        losses = []
+        for _ in range(3):
+            losses.append(model.forward_backward(rows))
+            model.clip_grad_and_step(1.0)
+        adapter = {n: p.detach().clone() for n, p in model.model.named_parameters() if p.requires_grad}
+        return model, losses, model.calculate_metric(), adapter
+
+    padded, free = trained(False), trained(True)
+    batch = free[0]._batch(rows)
+    sequences = padded[0]._batch(rows)["attention_mask"].sum(dim=1)
+    prompts = batch["prefix_spans"][len(rows):, 1]
+    assert (prompts > 0).all() and batch["input_ids"].shape == (1, int(sequences.sum() - prompts.sum()))
+    assert free[1] == pytest.approx(padded[1], rel=1e-5) and free[1][-1] < free[1][0]
+    for name in METRIC_NAMES:
+        assert free[2][name] == pytest.approx(padded[2][name], rel=1e-5, abs=1e-6), name
+    for name, value in padded[3].items():
+        torch.testing.assert_close(free[3][name], value, rtol=1e-5, atol=1e-6)
 
 
 def test_full_training_reference_is_a_frozen_copy(llama):

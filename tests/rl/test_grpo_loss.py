@@ -134,3 +134,54 @@ def test_bad_options_are_refused():
         with pytest.raises(ValueError, match=words):
             resolve_options(None, None, options)
     assert resolve_options(None, None, {"loss_type": "dr_grpo", "max_new_tokens": 24})["max_completion_length"] == 24
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_padding_free_groups_hold_each_prompt_once_and_train_like_padded_rows(tmp_path, loss_type):
+    """The rollout's default batch: a group's prompt once, its other completions attending to it; the loss (with
+    the KL to the adapter-off reference and old log-probs) and the adapter after 3 steps equal the padded rows'
+    (fp32, 1e-5)."""
+    from peft import LoraConfig
+
+    from tiny_models import save_tiny_model
+    from twinkle_core.models import TransformersModel
+    from twinkle_core.rl.sampler import completion_batch, completion_batch_padding_free
+
+    path = save_tiny_model(tmp_path / "llama", "llama")
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 60, (n,), generator=generator).tolist() for n in (7, 12)]
+    completions = [torch.randint(5, 60, (n,), generator=generator).tolist() for n in (3, 5, 1, 4, 6, 2, 5, 3)]
+    advantages = group_advantages(REWARDS, 4)
+
+    def trained(padding_free: bool):
+        torch.manual_seed(0)
+        model = TransformersModel(str(path), objective="grpo", mixed_precision="no", padding_free=padding_free,
+                                  objective_options={"loss_type": loss_type, "beta": 0.04})
+        model.add_adapter_to_model("default", LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+        model.set_optimizer("AdamW", lr=1e-2)
+        batch = completion_batch_padding_free(prompts, completions, 4) if padding_free else \
+            completion_batch(prompts, completions, 4, model.tokenizer.pad_token_id)
+        batch["advantages"] = advantages
+        with torch.no_grad():
+            logps, _, selected, _ = completion_logps(model.model, batch)
+        batch["old_logps"] = torch.zeros(batch["labels"].shape)
+        batch["old_logps"][:, 1:][selected] = logps + 0.05  # a stale policy: the ratio is not 1
+        losses = []
+        for _ in range(3):
+            losses.append(model.forward_backward(dict(batch)))
+            model.clip_grad_and_step(1.0)
+        return batch, losses, {n: p.detach() for n, p in model.model.named_parameters() if p.requires_grad}
+
+    (padded, reference, ref_adapter), (free, losses, adapter) = trained(False), trained(True)
+    assert _holds_each_prompt_once(free, prompts, completions)
+    assert losses == pytest.approx(reference, rel=1e-5) and losses[-1] != losses[0]
+    for name, value in ref_adapter.items():
+        torch.testing.assert_close(adapter[name], value, rtol=1e-5, atol=1e-6)
+
+
+def _holds_each_prompt_once(batch: dict, prompts: list[list[int]], completions: list[list[int]]) -> bool:
+    """The row holds each prompt once but its last token, which every other completion of the group repeats."""
+    whole = sum(len(p) * 4 for p in prompts) + sum(len(c) for c in completions)
+    shared = sum((len(p) - 1) * 3 for p in prompts)
+    return batch["input_ids"].shape == (1, whole - shared) and batch["prefix_spans"][:, 1].tolist() == \
+        [0, 6, 6, 6, 0, 11, 11, 11]

@@ -87,6 +87,50 @@ def shared_prefix_length(examples: list[dict]) -> int:
     return shared
 
 
+class PaddingFreeRow:
+    """Samples laid end to end in one row, each optionally continuing a prefix already in the row.
+
+    A sample that continues the `length` tokens at `start` (its own first `length` tokens, equal to those) holds
+    only the tokens after them, its positions going on from `length`; the attention (`twinkle_sdpa`) lets it
+    attend to that span as if it came first. Causal attention makes the span's states the same in every sample
+    that shares it, so the loss and gradients are those of the whole samples (to rounding)."""
+
+    def __init__(self):
+        self.input_ids: list[int] = []
+        self.labels: list[int] = []
+        self.positions: list[int] = []
+        self.starts: list[int] = []
+        self.prefixes: list[tuple[int, int]] = []  # per sample: (start, length) of the span it continues
+
+    def add(self, example: dict, prefix: tuple[int, int] = (0, 0)) -> int:
+        """Append `example` (continuing `prefix`); return where its tokens begin in the row."""
+        begin, skip = len(self.input_ids), prefix[1]
+        ids = list(example["input_ids"])[skip:]
+        own = example.get("position_ids")
+        own = list(range(skip, skip + len(ids))) if own is None else list(own)
+        labels = list(example["labels"])[skip:]
+        for offset, position in enumerate(own):
+            if position == 0 or (skip and offset == 0):  # a sample's first target would come from another one
+                labels[offset] = IGNORE_INDEX
+                self.starts.append(begin + offset)
+                self.prefixes.append(prefix if position else (0, 0))
+        self.input_ids += ids
+        self.labels += labels
+        self.positions += own
+        return begin
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        position_ids = torch.tensor([self.positions], dtype=torch.long)
+        batch = {"input_ids": torch.tensor([self.input_ids], dtype=torch.long),
+                 "labels": torch.tensor([self.labels], dtype=torch.long),
+                 "position_ids": position_ids,
+                 "attention_mask": torch.ones_like(position_ids),
+                 "cu_seq_lens_q": torch.tensor(self.starts + [len(self.positions)], dtype=torch.int32)}
+        if any(length for _, length in self.prefixes):
+            batch["prefix_spans"] = torch.tensor(self.prefixes, dtype=torch.int32)
+        return batch
+
+
 def collate_padding_free(examples: list[dict], share_prefix: bool = True) -> dict[str, torch.Tensor]:
     """One row of every sample laid end to end, with no padding (what the `twinkle_sdpa` attention takes).
 
@@ -97,41 +141,14 @@ def collate_padding_free(examples: list[dict], share_prefix: bool = True) -> dic
     `collate`'s padded batch on the same examples.
 
     `share_prefix`: plain examples that begin with the same untrained tokens (a chat template's system prompt,
-    shared tool schemas) keep that prefix once: the first sample is whole, every later one holds only the tokens
-    after it (positions continuing from the prefix's length), and `shared_prefix_length` tells the attention
-    that those samples also attend to the row's first that many tokens. Causal attention makes the prefix's
-    states the same in every sample, so the loss and gradients are those of the unshared batch (to rounding)
-    while every layer runs over fewer tokens.
+    shared tool schemas) keep that prefix once: the first sample is whole and every later one continues its
+    first `shared_prefix_length(examples)` tokens (`prefix_spans`, PaddingFreeRow), so every layer runs over
+    fewer tokens for the same loss.
     """
     if not examples:
         raise ValueError("collate_padding_free needs at least one example")
     shared = shared_prefix_length(examples) if share_prefix else 0
-    input_ids: list[int] = []
-    labels: list[int] = []
-    positions: list[int] = []
-    starts: list[int] = []
+    row = PaddingFreeRow()
     for index, example in enumerate(examples):
-        skip = shared if index else 0  # later samples continue the first one's prefix
-        ids = list(example["input_ids"])[skip:]
-        own = example.get("position_ids")
-        own = list(range(skip, skip + len(ids))) if own is None else list(own)
-        row_labels = list(example["labels"])[skip:]
-        for start, position in enumerate(own):
-            if position == 0:
-                row_labels[start] = IGNORE_INDEX
-                starts.append(len(input_ids) + start)
-        if skip:
-            starts.append(len(input_ids))
-        input_ids += ids
-        labels += row_labels
-        positions += own
-    position_ids = torch.tensor([positions], dtype=torch.long)
-    bounds = torch.tensor(starts + [len(positions)], dtype=torch.int32)
-    batch = {"input_ids": torch.tensor([input_ids], dtype=torch.long),
-             "labels": torch.tensor([labels], dtype=torch.long),
-             "position_ids": position_ids,
-             "attention_mask": torch.ones_like(position_ids),
-             "cu_seq_lens_q": bounds}
-    if shared:
-        batch["shared_prefix_length"] = torch.tensor([shared], dtype=torch.int32)
-    return batch
+        row.add(example, (0, shared) if index else (0, 0))
+    return row.batch()

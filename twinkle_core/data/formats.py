@@ -122,12 +122,14 @@ register_row_format(RowFormat(
     "preference", preference.validate_preference_row, preference.encode_preference_row,
     truncate=preference.truncate_preference, was_truncated=preference.was_truncated,
     count_tokens=preference.count_preference_tokens, num_sequences=lambda example: 2,
-    collate=preference.collate_preferences, collate_padding_free=None, batch_keys=preference.BATCH_KEYS,
+    collate=preference.collate_preferences,
+    collate_padding_free=preference.collate_preferences_padding_free, batch_keys=preference.BATCH_KEYS,
     packable=False, fields=preference.ROW_KEYS))
 register_row_format(RowFormat(
     "prompts", prompts.validate_prompt_row, prompts.encode_prompt_row, truncate=prompts.truncate_prompt,
     was_truncated=prompts.prompt_too_long, count_tokens=prompts.count_prompt_tokens, collate=prompts.no_collate,
-    collate_padding_free=None, batch_keys=prompts.BATCH_KEYS, packable=False))
+    # Not collated (the GRPO recipe batches sampled completions), but trained padding-free where the model can.
+    collate_padding_free=prompts.no_collate, batch_keys=prompts.BATCH_KEYS, packable=False))
 register_row_format(RowFormat(
     "vision_chat", validate_vision_row, encode_vision_row, truncate=truncate_vision, collate=collate_vision,
     collate_padding_free=None, batch_keys=VISION_BATCH_KEYS, reads_files=True, encoder=load_vision_processor,

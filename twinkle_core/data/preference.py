@@ -8,7 +8,8 @@ Accepted layouts (each normalised to {"messages": prompt, "chosen": reply, "reje
 
 Both replies are rendered after the prompt with the model's chat template; only the final reply's tokens
 (and its end-of-turn token) are labelled, earlier assistant turns of the prompt are context. A collated
-batch holds the chosen sequences first and the rejected ones after them, so one forward scores both.
+batch holds the chosen sequences first and the rejected ones after them, so one forward scores both; a
+padding-free one holds each pair's prompt once (the rejected reply continues the chosen sequence's prompt).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .collate import collate
+from .collate import PaddingFreeRow, collate, shared_prefix_length
 from .encode import IGNORE_INDEX, count_trained_tokens, encode_chat
 from .errors import RowError
 from .validate import validate_chat_row
@@ -133,6 +134,24 @@ def collate_preferences(examples: list[dict], pad_token_id: int | None, mask_dty
                  for side in SIDES for e in examples]
     batch = collate(sequences, pad_token_id=pad_token_id, mask_dtype=mask_dtype)
     # A rank's stand-in pair (the short last micro-batch, twinkle_core.parallel.data) runs but counts for nothing.
+    batch["pair_valid"] = torch.tensor([not e.get("masked", False) for e in examples])
+    for key in REFERENCE_KEYS:
+        if all(key in e for e in examples):
+            batch[key] = torch.tensor([e[key] for e in examples], dtype=torch.float32)
+    return batch
+
+
+def collate_preferences_padding_free(examples: list[dict]) -> dict[str, torch.Tensor]:
+    """The 2n sequences end to end in one row (twinkle_core.data.PaddingFreeRow), chosen ones first: each rejected
+    sequence holds only what follows its pair's shared prompt and attends to that prompt in its chosen sequence.
+    Sample i and n + i are a pair; `pair_valid` and reference log-probs as in collate_preferences."""
+    row = PaddingFreeRow()
+    sides = [({"input_ids": e["chosen_input_ids"], "labels": e["chosen_labels"]},
+              {"input_ids": e["rejected_input_ids"], "labels": e["rejected_labels"]}) for e in examples]
+    begins = [row.add(chosen) for chosen, _ in sides]
+    for begin, (chosen, rejected) in zip(begins, sides):
+        row.add(rejected, (begin, shared_prefix_length([chosen, rejected])))
+    batch = row.batch()
     batch["pair_valid"] = torch.tensor([not e.get("masked", False) for e in examples])
     for key in REFERENCE_KEYS:
         if all(key in e for e in examples):

@@ -72,53 +72,54 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
     return out.to(dtype)
 
 
-def _segments(bounds: torch.Tensor, prefix: int, device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """For samples laid end to end (offsets `bounds`), every one after the first continuing the row's first
-    `prefix` tokens: the index that lays them out as a right-padded [samples, longest] batch (a later sample's row
-    reads the prefix, then its own tokens; padding repeats the sample's first token), the flat positions of the
-    outputs to keep in that batch (each token once: the prefix's in the first sample's row), the number of
-    samples and the longest row."""
+def _segments(bounds: torch.Tensor, prefixes: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """For samples laid end to end (offsets `bounds`), each reading first the span (start, length) of the row in
+    `prefixes` ([samples, 2]; length 0: none): the index that lays them out as a right-padded [samples, longest]
+    batch (a row reads its prefix span, then its own tokens; padding repeats the sample's first token), the flat
+    positions of the outputs to keep (each sample's own tokens), the number of samples and the longest row."""
     starts, lengths = bounds[:-1].long(), (bounds[1:] - bounds[:-1]).long()
-    lead = torch.full_like(lengths, prefix)
-    lead[0] = 0
-    rows = lead + lengths
+    lead, lead_start = prefixes[:, 1:].long(), prefixes[:, :1].long()
+    rows = lead[:, 0] + lengths
     longest = int(rows.max())
     steps = torch.arange(longest, device=device)[None, :]
     real = steps < rows[:, None]
-    own = starts[:, None] + steps - lead[:, None]
-    index = torch.where(steps < lead[:, None], steps, torch.where(real, own, starts[:, None]))
-    keep = real & (steps >= lead[:, None])
+    own = torch.where(real, starts[:, None] + steps - lead, starts[:, None])
+    index = torch.where(steps < lead, lead_start + steps, own)
+    keep = real & (steps >= lead)
     return index.flatten(), torch.nonzero(keep.flatten()).flatten(), len(lengths), longest
 
 
 def twinkle_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
-                 cu_seq_lens_q: torch.Tensor | None = None, shared_prefix_length: torch.Tensor | None = None,
-                 **kwargs):
+                 cu_seq_lens_q: torch.Tensor | None = None, prefix_spans: torch.Tensor | None = None, **kwargs):
     """Transformers' attention-interface signature: q [b, heads, s, d], k/v [b, kv_heads, s, d] → [b, s, heads, d].
 
-    `shared_prefix_length` (collate_padding_free's shared prefix): every sample after the first also attends to
-    the row's first that many tokens, as if they came before its own."""
+    `prefix_spans` ([samples, 2], twinkle_core.data.PaddingFreeRow): each sample first attends to the span
+    (start, length) of the row, as if those tokens came before its own (a prompt prefix held once)."""
     if cu_seq_lens_q is None or query.shape[2] != key.shape[2]:  # no boundaries, or decoding with a cache
         return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs), None
     if query.shape[0] != 1:
         raise ValueError(f"padding-free attention takes one row of samples laid end to end; got a batch of "
                          f"{query.shape[0]}")
-    prefix = 0 if shared_prefix_length is None else int(shared_prefix_length.reshape(-1)[0])
     bounds = cu_seq_lens_q.tolist()
-    spans = [(start, end) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
-    lengths = [end - start + (prefix if i else 0) for i, (start, end) in enumerate(spans)]
+    samples = len(bounds) - 1
+    if prefix_spans is None:
+        prefix_spans = torch.zeros(samples, 2, dtype=torch.int32)
+    prefixes = prefix_spans.tolist()
+    lengths = [end - start + lead for start, end, (_, lead) in zip(bounds[:-1], bounds[1:], prefixes)]
     if max(lengths) >= LOOP_MIN_LENGTH and len(lengths) * max(lengths) ** 2 > LOOP_WASTE * sum(n * n for n in lengths):
         # Long samples of uneven lengths: one kernel call per sample does a fraction of a padded batch's work.
-        def sample(x, i, start, end):
-            return x[:, :, start:end] if not (i and prefix) else torch.cat([x[:, :, :prefix], x[:, :, start:end]], 2)
+        def sample(x, start, end, lead_start, lead):
+            own = x[:, :, start:end]
+            return torch.cat([x[:, :, lead_start:lead_start + lead], own], 2) if lead else own
 
-        outs = [_attention(module, sample(query, i, *span), sample(key, i, *span), sample(value, i, *span), None,
-                           dropout, scaling, True, **kwargs)[:, prefix if i else 0:]
-                for i, span in enumerate(spans)]
+        outs = [_attention(module, sample(query, *span), sample(key, *span), sample(value, *span), None, dropout,
+                           scaling, True, **kwargs)[:, span[3]:]
+                for span in zip(bounds[:-1], bounds[1:], *zip(*prefixes)) if span[1] > span[0]]
         return torch.cat(outs, dim=1), None
     # Short or even samples: a right-padded batch for one kernel call. Causal attention never lets a real token see
     # the padding after it, and the padding's outputs are dropped.
-    index, keep, samples, longest = _segments(cu_seq_lens_q.to(query.device), prefix, query.device)
+    index, keep, samples, longest = _segments(cu_seq_lens_q.to(query.device), prefix_spans.to(query.device),
+                                              query.device)
 
     def padded(x):
         return x[0][:, index].unflatten(1, (samples, longest)).transpose(0, 1)

@@ -69,6 +69,6 @@ def count_input_tokens(batch: dict[str, torch.Tensor]) -> int:
     documents) counts."""
     masks = [v for k, v in batch.items() if k.endswith("attention_mask") and v.dim() == 2]
     tokens = sum(int(mask.sum()) for mask in masks) if masks else batch["input_ids"].numel()
-    if "shared_prefix_length" in batch:  # a padding-free row holds a shared prefix once for all its samples
-        tokens += int(batch["shared_prefix_length"].reshape(-1)[0]) * (len(batch["cu_seq_lens_q"]) - 2)
+    if "prefix_spans" in batch:  # a padding-free row holds a shared prefix once for the samples that read it
+        tokens += int(batch["prefix_spans"][:, 1].sum())
     return tokens

@@ -101,6 +101,20 @@ def resolve_router_aux_loss_coef(model: torch.nn.Module, requested: float | None
     return float(requested)
 
 
+PADDING_FREE_KEYS = ("cu_seq_lens_q", "prefix_spans")  # a padding-free batch's sample layout (twinkle_sdpa)
+
+
+def target_owners(batch: dict[str, torch.Tensor], selected: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(number of sequences, the sequence of each selected target): the rows of a padded batch, the samples of
+    a padding-free one (a target belongs to the sample its token lies in). `selected`: the targets' mask over
+    labels[:, 1:]."""
+    if "cu_seq_lens_q" not in batch:
+        return selected.shape[0], selected.nonzero()[:, 0]
+    bounds = batch["cu_seq_lens_q"].to(selected.device).long()
+    tokens = torch.arange(1, selected.shape[1] + 1, device=selected.device)
+    return len(bounds) - 1, (torch.searchsorted(bounds, tokens, right=True) - 1)[selected[0]]
+
+
 def trained_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], selected: torch.Tensor,
                    extra: dict | None = None, positions: slice = slice(None, -1)) -> tuple[torch.Tensor, Any]:
     """Logits at the `selected` (trained) positions, in row-major order, and the model's outputs.

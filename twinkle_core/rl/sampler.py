@@ -161,3 +161,21 @@ def completion_batch(prompt_ids: list[list[int]], completions: list[list[int]], 
         if completion:
             labels[i, len(prompt): len(ids)] = torch.tensor(completion)
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def completion_batch_padding_free(prompt_ids: list[list[int]], completions: list[list[int]], num_generations: int,
+                                  ignore_index: int = -100) -> dict[str, torch.Tensor]:
+    """completion_batch's sequences end to end in one row (twinkle_core.data.PaddingFreeRow), each group's prompt
+    held once: the group's first completion follows its whole prompt, the others hold the prompt's last token
+    (their first sampled token is predicted there) and their completion, attending to the rest of the prompt."""
+    from twinkle_core.data import PaddingFreeRow, shared_prefix_length
+
+    row, first = PaddingFreeRow(), None
+    for i, completion in enumerate(completions):
+        prompt = prompt_ids[i // num_generations]
+        example = {"input_ids": prompt + completion, "labels": [ignore_index] * len(prompt) + completion}
+        if i % num_generations == 0:
+            first, begin = example, row.add(example)
+        else:
+            row.add(example, (begin, shared_prefix_length([first, example])))
+    return row.batch()

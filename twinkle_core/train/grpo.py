@@ -26,7 +26,8 @@ from twinkle_core.objectives.grpo import completion_logps, rollout_options
 from twinkle_core.parallel import local_micro_batches, world_size_from_env
 from twinkle_core.rl.grpo import group_advantages
 from twinkle_core.rl.rewards import RewardSet
-from twinkle_core.rl.sampler import PolicySampler, SamplingSettings, completion_batch
+from twinkle_core.rl.sampler import (PolicySampler, SamplingSettings, completion_batch,
+                                     completion_batch_padding_free)
 from twinkle_core.train.config import TrainRunConfig
 from twinkle_core.train.recipe import SFTRecipe, emit, run_recipe
 
@@ -67,7 +68,9 @@ class GRPORecipe(SFTRecipe):
                 for _ in range(generations)]
         prompts = [e["prompt_text"] for e in examples for _ in range(generations)]
         total, per_function = self.rewards.score(prompts, texts, rows, completions)
-        batch = completion_batch(prompt_ids, completions, generations, self.pad_id, IGNORE_INDEX)
+        batch = completion_batch_padding_free(prompt_ids, completions, generations, IGNORE_INDEX) \
+            if self.model.padding_free else completion_batch(prompt_ids, completions, generations, self.pad_id,
+                                                             IGNORE_INDEX)
         batch["advantages"] = group_advantages(total, generations, self.rollout["scale_rewards"])
         valid = torch.tensor([not e.get("masked", False) for e in examples]).repeat_interleave(generations)
         batch["row_valid"] = valid

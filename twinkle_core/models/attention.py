@@ -7,6 +7,10 @@ padding-free batches. Measured on 2 cores, SmolLM2-135M (9 heads x 64), LoRA, bf
   short or even samples are laid out as a right-padded batch for one kernel call (causal attention never lets a
   real token see the padding after it; the padding's outputs are dropped); long samples of uneven lengths
   attend one sample at a time, which does a fraction of a padded batch's work (1.23x on the 50-1000-token set).
+- **Shared prefixes** (`prefix_spans`, twinkle_core.data.PaddingFreeRow): a sample may continue a span of tokens
+  already in the row (the system prompt every SFT row starts with, a DPO pair's prompt, a GRPO group's prompt)
+  and attends to it as if it came first; the span is laid in front of the sample's own tokens inside the
+  attention only, so every other layer runs over it once.
 - **Short sequences on CPU** (scores of at most MATH_ATTENTION_SCORES): softmax(q k^T) v as plain matmuls with an
   fp32 softmax (Transformers' eager attention). PyTorch's CPU flash kernel pays a fixed cost per call that
   dominates at these sizes: a 60-token micro-batch of 8 took 5.9 ms per layer (forward + backward) there.

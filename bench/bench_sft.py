@@ -28,7 +28,8 @@ Trainers:
 
 The first step of every run is a warm-up and is not measured; tokens/s counts the trained (labelled) tokens
 of the measured steps over their time; real tokens/s counts the non-padding tokens the layers ran over (a shared
-prefix once for ours), which gives the MFU against the measured matmul peak of this machine (twinkle_core.perf). Peak RSS is each process's own.
+prefix once for ours), which gives the MFU against the measured matmul peak of this machine (twinkle_core.perf).
+Peak RSS is each process's own.
 Losses: the mean token loss of the first and last step (the same batches give the same numbers, to bf16
 rounding; trl-packing's batches differ). The table prints medians over `--repeats` runs, with the spread.
 """

@@ -2,6 +2,7 @@
 
     python bench/profile_sft.py                        # SmolLM2-135M-Instruct, LoRA r=8, bf16, batch 8
     python bench/profile_sft.py --steps 12 --precision no --trace out.json
+    python bench/profile_sft.py --precision no --share-prefix false   # every row whole (the step before prefix sharing)
 
 The bundled self-cognition chats are tokenised as the sft flow does (assistant-only labels), walked in the
 flow's seeded order and collated as the recipe does, and trained with TransformersModel. Each phase is timed
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=4)
     parser.add_argument("--padding-free", default="true", choices=["true", "false"])
+    parser.add_argument("--share-prefix", default="true", choices=["true", "false"],
+                        help="padding-free rows hold the prompt prefix the micro-batch's rows share once")
     parser.add_argument("--attention", default="twinkle_sdpa", choices=["twinkle_sdpa", "sdpa", "eager"],
                         help="sdpa/eager: Transformers' own kernel (padded batches), the baseline")
     parser.add_argument("--trace", help="write a Chrome trace of the profiled steps here")
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from twinkle_core.data import get_row_format
     from twinkle_core.hub import resolve_model
     from twinkle_core.models import TransformersModel
+    from twinkle_core.models.batches import count_input_tokens
     from twinkle_core.parallel import local_micro_batches
 
     path = resolve_model(args.model_id).path
@@ -116,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     chat = get_row_format("chat")
 
     def collate(rows, **kw):
-        return chat.collate_padding_free(rows) if getattr(model, "padding_free", False) else chat.collate(rows, **kw)
+        if not getattr(model, "padding_free", False):
+            return chat.collate(rows, **kw)
+        return chat.collate_padding_free(rows, share_prefix=args.share_prefix == "true")
     phases = Phases()
     instrument(model, phases)
     order = local_micro_batches(examples, args.batch_size, 42, 0, 1)
@@ -144,14 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         batch = one_step()
         if phases.on:
             trained += int((batch["labels"][:, 1:] != -100).sum())
-            real += int(batch["attention_mask"].sum())
+            real += count_input_tokens(batch)  # a shared prefix counted in every row that reads it
             padded += batch["input_ids"].numel()
     total = sum(phases.seconds["step total"])
     print(f"# SFT step profile: {args.model_id.rsplit('/', 1)[-1]}, LoRA r=8 all-linear, {args.precision}, "
           f"batch {args.batch_size}, {args.steps} steps after {args.warmup} warm-up, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
-    print(f"# tokens per step: {real / args.steps:.0f} real, {padded / args.steps:.0f} with padding "
-          f"({100 * (1 - real / padded):.0f}% padding), {trained / args.steps:.0f} trained; "
+    print(f"# tokens per step: {real / args.steps:.0f} real (of the rows), {padded / args.steps:.0f} through the "
+          f"layers (padding included, a shared prefix once), {trained / args.steps:.0f} trained; "
           f"{trained / total:.1f} trained tokens/s, {real / total:.1f} real tokens/s")
     print("| phase | ms/step (median) | share of step |")
     print("|---|---|---|")

@@ -15,7 +15,8 @@ from .validate import validate_chat_row, validate_text_row
 
 __all__ = [
     "BadRow", "ChatTemplateError", "DEFAULT_CHAT_TEMPLATE", "DatasetError", "FORMAT_VERSION", "IGNORE_INDEX",
-    "LoadedRows", "PaddingFreeRow", "RowError", "RowFormat", "TokenizedDataset", "TokenizedRows", "assistant_spans", "block_causal_mask",
+    "LoadedRows", "PaddingFreeRow", "RowError", "RowFormat", "TokenizedDataset", "TokenizedRows", "assistant_spans",
+    "block_causal_mask",
     "chat_template_names", "collate", "collate_padding_free", "count_trained_tokens", "encode_chat", "encode_prompt",
     "encode_text",
     "ensure_chat_template", "get_chat_template", "get_row_format", "load_rows", "load_tokenized",

@@ -3,9 +3,10 @@ and `orpo`, chosen by `loss_type`.
 
 A batch holds the n chosen sequences, then the n rejected ones (twinkle_core.data.preference): one forward
 scores both. Padding-free (the default where the model attends through twinkle_sdpa), the row holds each pair's
-prompt once: the rejected reply attends to the prompt in its chosen sequence. A sequence's log-prob is the sum over its reply tokens, with the output layer run only at those
-tokens. Losses are summed over pairs and counted in pairs, so the stepper's division by the step's global
-pair count makes gradient accumulation and every data-parallel strategy equal one process.
+prompt once: the rejected reply attends to the prompt in its chosen sequence. A sequence's log-prob is the sum
+over its reply tokens, with the output layer run only at those tokens. Losses are summed over pairs and counted
+in pairs, so the stepper's division by the step's global pair count makes gradient accumulation and every
+data-parallel strategy equal one process.
 
 The reference (sigmoid, ipo): the precomputed log-probs in the batch when the run has them
 (`precompute_reference`); else, with LoRA, the same model with its adapter disabled (no second copy);

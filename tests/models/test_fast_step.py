@@ -42,10 +42,8 @@ def _train(model, batch, steps=3):
     return losses
 
 
-@pytest.mark.parametrize("lora, path", [(True, "math"), (False, "math"), (True, "flash"), (True, "per-sample")])
-def test_padding_free_batches_train_exactly_like_padded_ones(tiny_model_dir, lora, path, monkeypatch):
-    """Each of twinkle_sdpa's paths: short samples as one padded kernel call (math or flash kernel), or one
-    call per sample (long uneven samples; forced here on short ones)."""
+def _force_attention_path(monkeypatch, path: str) -> None:
+    """twinkle_sdpa's path for the short test rows: math (as chosen), the flash kernel, or one call per sample."""
     from twinkle_core.models import attention
 
     if path == "flash":
@@ -53,6 +51,13 @@ def test_padding_free_batches_train_exactly_like_padded_ones(tiny_model_dir, lor
     if path == "per-sample":
         monkeypatch.setattr(attention, "LOOP_MIN_LENGTH", 1)
         monkeypatch.setattr(attention, "LOOP_WASTE", 0.0)
+
+
+@pytest.mark.parametrize("lora, path", [(True, "math"), (False, "math"), (True, "flash"), (True, "per-sample")])
+def test_padding_free_batches_train_exactly_like_padded_ones(tiny_model_dir, lora, path, monkeypatch):
+    """Each of twinkle_sdpa's paths: short samples as one padded kernel call (math or flash kernel), or one
+    call per sample (long uneven samples; forced here on short ones)."""
+    _force_attention_path(monkeypatch, path)
     padded, free = _model(tiny_model_dir, lora, padding_free=False), _model(tiny_model_dir, lora)
     assert free.padding_free and not padded.padding_free
     examples = _examples(free)
@@ -73,14 +78,9 @@ def test_a_shared_prompt_prefix_runs_once_and_trains_exactly_like_padded_rows(ti
     """Rows opening with the same system prompt: the padding-free row holds that prefix once (later samples attend
     to it), and the losses, weights and counted tokens are those of the padded batch (fp32, 1e-5), on each of
     twinkle_sdpa's paths."""
-    from twinkle_core.models import attention
     from twinkle_core.models.batches import count_input_tokens
 
-    if path == "flash":
-        monkeypatch.setattr(attention, "MATH_ATTENTION_SCORES", 0)
-    if path == "per-sample":
-        monkeypatch.setattr(attention, "LOOP_MIN_LENGTH", 1)
-        monkeypatch.setattr(attention, "LOOP_WASTE", 0.0)
+    _force_attention_path(monkeypatch, path)
     padded, free = _model(tiny_model_dir, lora, padding_free=False), _model(tiny_model_dir, lora)
     examples = _examples(free, system="You are Twinkle, a careful assistant made by the Twinkle Flows team.")
     prefix = shared_prefix_length(examples)

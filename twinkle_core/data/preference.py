@@ -125,6 +125,17 @@ def count_preference_tokens(example: dict) -> tuple[int, int]:
     return sum(len(example[f"{side}_input_ids"]) for side in SIDES), sum(trained) if min(trained) else 0
 
 
+def _with_pair_fields(batch: dict, examples: list[dict]) -> dict[str, torch.Tensor]:
+    """`batch` with which pairs count (`pair_valid`) and the precomputed reference log-probs when every example
+    has them."""
+    # A rank's stand-in pair (the short last micro-batch, twinkle_core.parallel.data) runs but counts for nothing.
+    batch["pair_valid"] = torch.tensor([not e.get("masked", False) for e in examples])
+    for key in REFERENCE_KEYS:
+        if all(key in e for e in examples):
+            batch[key] = torch.tensor([e[key] for e in examples], dtype=torch.float32)
+    return batch
+
+
 def collate_preferences(examples: list[dict], pad_token_id: int | None, mask_dtype: torch.dtype = torch.float32,
                         ) -> dict[str, torch.Tensor]:
     """One padded batch of 2n rows: the n chosen sequences, then the n rejected ones (row i and n + i are a
@@ -133,12 +144,7 @@ def collate_preferences(examples: list[dict], pad_token_id: int | None, mask_dty
     sequences = [{"input_ids": e[f"{side}_input_ids"], "labels": e[f"{side}_labels"]}
                  for side in SIDES for e in examples]
     batch = collate(sequences, pad_token_id=pad_token_id, mask_dtype=mask_dtype)
-    # A rank's stand-in pair (the short last micro-batch, twinkle_core.parallel.data) runs but counts for nothing.
-    batch["pair_valid"] = torch.tensor([not e.get("masked", False) for e in examples])
-    for key in REFERENCE_KEYS:
-        if all(key in e for e in examples):
-            batch[key] = torch.tensor([e[key] for e in examples], dtype=torch.float32)
-    return batch
+    return _with_pair_fields(batch, examples)
 
 
 def collate_preferences_padding_free(examples: list[dict]) -> dict[str, torch.Tensor]:
@@ -152,8 +158,4 @@ def collate_preferences_padding_free(examples: list[dict]) -> dict[str, torch.Te
     for begin, (chosen, rejected) in zip(begins, sides):
         row.add(rejected, (begin, shared_prefix_length([chosen, rejected])))
     batch = row.batch()
-    batch["pair_valid"] = torch.tensor([not e.get("masked", False) for e in examples])
-    for key in REFERENCE_KEYS:
-        if all(key in e for e in examples):
-            batch[key] = torch.tensor([e[key] for e in examples], dtype=torch.float32)
-    return batch
+    return _with_pair_fields(batch, examples)

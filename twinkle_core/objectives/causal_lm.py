@@ -101,18 +101,28 @@ def resolve_router_aux_loss_coef(model: torch.nn.Module, requested: float | None
     return float(requested)
 
 
-PADDING_FREE_KEYS = ("cu_seq_lens_q", "prefix_spans")  # a padding-free batch's sample layout (twinkle_sdpa)
+MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids",
+                    "cu_seq_lens_q", "prefix_spans")  # the last two: a padding-free batch's layout (twinkle_sdpa)
 
 
-def target_owners(batch: dict[str, torch.Tensor], selected: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """(number of sequences, the sequence of each selected target): the rows of a padded batch, the samples of
-    a padding-free one (a target belongs to the sample its token lies in). `selected`: the targets' mask over
-    labels[:, 1:]."""
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What of `batch` the model's forward takes (its token ids, mask, positions and padding-free layout)."""
+    return {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
+
+
+def sequence_count(batch: dict[str, torch.Tensor]) -> int:
+    """The sequences in a batch: its rows, or the samples of a padding-free row."""
+    return len(batch["cu_seq_lens_q"]) - 1 if "cu_seq_lens_q" in batch else batch["input_ids"].shape[0]
+
+
+def target_owners(batch: dict[str, torch.Tensor], selected: torch.Tensor) -> torch.Tensor:
+    """The sequence of each selected target: its row in a padded batch, its sample in a padding-free one (a target
+    belongs to the sample its token lies in). `selected`: the targets' mask over labels[:, 1:]."""
     if "cu_seq_lens_q" not in batch:
-        return selected.shape[0], selected.nonzero()[:, 0]
+        return selected.nonzero()[:, 0]
     bounds = batch["cu_seq_lens_q"].to(selected.device).long()
     tokens = torch.arange(1, selected.shape[1] + 1, device=selected.device)
-    return len(bounds) - 1, (torch.searchsorted(bounds, tokens, right=True) - 1)[selected[0]]
+    return (torch.searchsorted(bounds, tokens, right=True) - 1)[selected[0]]
 
 
 def trained_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], selected: torch.Tensor,

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from twinkle_core.data.encode import IGNORE_INDEX
 from twinkle_core.objectives import Objective, register_objective
-from twinkle_core.objectives.causal_lm import PADDING_FREE_KEYS, LossParts, target_owners, trained_logits
+from twinkle_core.objectives.causal_lm import (LossParts, model_inputs, sequence_count, target_owners,
+                                              trained_logits)
 from twinkle_core.objectives.preference import disable_dropout
 from twinkle_core.rl.grpo import LOSS_TYPES, reduce_tokens, token_terms
 
@@ -58,15 +59,14 @@ def resolve_options(model_dir: Path | None, family, options: dict) -> dict:
 def completion_logps(model: torch.nn.Module, batch: dict, with_entropy: bool = False):
     """Per completion token: its log-prob, its sequence (row, or sample of a padding-free batch), and
     (optionally) the policy's entropy there."""
-    keys = ("input_ids", "attention_mask", "position_ids", *PADDING_FREE_KEYS)
-    inputs = {key: batch[key] for key in keys if key in batch}
+    inputs = model_inputs(batch)
     targets = batch["labels"][:, 1:]
     selected = targets != IGNORE_INDEX
     logits, _ = trained_logits(model, inputs, selected)
     log_probs = F.log_softmax(logits.float(), dim=-1)
     logps = log_probs.gather(1, targets[selected].unsqueeze(1)).squeeze(1)
     entropy = -(log_probs.exp() * log_probs).sum(-1).detach() if with_entropy else None
-    return logps, target_owners(batch, selected)[1], selected, entropy
+    return logps, target_owners(batch, selected), selected, entropy
 
 
 def _aligned(batch: dict, key: str, selected: torch.Tensor) -> torch.Tensor | None:
@@ -87,7 +87,7 @@ def reference_token_logps(model: torch.nn.Module, batch: dict, selected: torch.T
 def grpo_loss_sum(model: torch.nn.Module, batch: dict, router_aux_loss_coef=None, group=None, **options) -> LossParts:
     options = {**DEFAULTS, **options}
     logps, rows, selected, entropy = completion_logps(model, batch, with_entropy=True)
-    sequences = target_owners(batch, selected)[0]
+    sequences = sequence_count(batch)
     old = _aligned(batch, "old_logps", selected)
     old = logps.detach() if old is None else old
     ref = None

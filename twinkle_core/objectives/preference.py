@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from twinkle_core.data.encode import IGNORE_INDEX
 from twinkle_core.data.preference import REFERENCE_KEYS
 from twinkle_core.objectives import Objective, register_objective
-from twinkle_core.objectives.causal_lm import PADDING_FREE_KEYS, LossParts, target_owners, trained_logits
+from twinkle_core.objectives.causal_lm import (LossParts, model_inputs, sequence_count, target_owners,
+                                              trained_logits)
 
 LOSS_TYPES = ("sigmoid", "ipo", "simpo", "orpo")
 REFERENCE_FREE = frozenset({"simpo", "orpo"})
@@ -87,13 +88,12 @@ def _attach_reference(model: torch.nn.Module, options: dict) -> None:
 def sequence_logps(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's summed log-prob of its labelled tokens, and their number: per row of a padded batch, per
     sample of a padding-free one (collate_preferences_padding_free)."""
-    keys = ("input_ids", "attention_mask", "position_ids", *PADDING_FREE_KEYS)
-    inputs = {key: batch[key] for key in keys if key in batch}
+    inputs = model_inputs(batch)
     targets = batch["labels"][:, 1:]
     selected = targets != IGNORE_INDEX
     logits, _ = trained_logits(model, inputs, selected)
     token_logps = -F.cross_entropy(logits.float(), targets[selected], reduction="none")
-    sequences, owners = target_owners(batch, selected)
+    sequences, owners = sequence_count(batch), target_owners(batch, selected)
     logps = torch.zeros(sequences, dtype=token_logps.dtype, device=token_logps.device)
     return logps.index_add(0, owners, token_logps), torch.bincount(owners, minlength=sequences)
 
@@ -158,7 +158,7 @@ def pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, chosen_tokens: tor
 def preference_loss_sum(model: torch.nn.Module, batch: dict, router_aux_loss_coef=None, group=None,
                         **options) -> LossParts:
     """The loss summed over this rank's pairs, their number, and the metrics summed over them."""
-    pairs = len(batch["cu_seq_lens_q"]) // 2 if "cu_seq_lens_q" in batch else batch["input_ids"].shape[0] // 2
+    pairs = sequence_count(batch) // 2
     loss_type = options.get("loss_type", "sigmoid")
     reference = None
     if loss_type not in REFERENCE_FREE:  # first, so only the policy's forward keeps activations

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiny_models import SAMPLE_ROWS as ROWS
 from tiny_models import save_tiny_model
+from twinkle_core.data import device_batch
 from twinkle_core.data import collate, collate_padding_free, encode_chat, pack_examples, shared_prefix_length
 from twinkle_core.models import TransformersModel
 from twinkle_core.objectives.linear_ce import linear_cross_entropy_sum
@@ -37,7 +38,7 @@ def _examples(model, system: str | None = None):
 def _train(model, batch, steps=3):
     losses = []
     for _ in range(steps):
-        losses.append(model.forward_backward(dict(batch)))
+        losses.append(float(model.forward_backward(dict(batch))))
         model.clip_grad_and_step(1.0)
     return losses
 
@@ -97,6 +98,31 @@ def test_a_shared_prompt_prefix_runs_once_and_trains_exactly_like_padded_rows(ti
     assert losses[-1] < losses[0]
     for (name, a), b in zip(padded.model.named_parameters(), free.model.parameters()):
         assert torch.allclose(a, b, atol=1e-5), name
+
+
+@pytest.mark.parametrize("lora, path", [(True, "math"), (False, "math"), (True, "per-sample")])
+def test_micro_batches_never_wait_for_the_device(tiny_model_dir, lora, path, monkeypatch):
+    """A step's micro-batches read nothing back from the device: on PyTorch's meta device, where any such read
+    (.item(), .tolist(), int(mask.sum()), a boolean index) raises, padding-free micro-batches with a shared prefix
+    run forward and backward and return their loss unread. Counts, trained positions and the attention layout come
+    from the batch as collated, on the host; the step reads its sums once (Stepper._read)."""
+    _force_attention_path(monkeypatch, path)
+    model = _model(tiny_model_dir, lora)
+    model.set_optimizer("AdamW", lr=1e-2, gradient_accumulation_steps=2)
+    rows = [{"messages": [{"role": "system", "content": "You are Twinkle."}] + row["messages"][-2:]} for row in ROWS]
+    model.model.to("meta")
+    model.device = torch.device("meta")
+    assert model._batch(rows[:2])["prefix_spans"][1, 1] > 0  # the system prompt is held once
+    for part in (rows[:2], rows[2:]):
+        loss = model.forward_backward(part)
+        assert loss.device.type == "meta" and loss.shape == ()
+    assert all(p.grad is not None and p.grad.device.type == "meta" for p in model.trainable_parameters())
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta"):  # the step's read
+        model.clip_grad_and_step(1.0)
+    # The check catches a read: with the layout moved to the device, the attention would have to read it back.
+    monkeypatch.setattr(device_batch, "HOST_KEYS", ())
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
+        model.forward_backward(rows[:2])
 
 
 def test_the_shared_prefix_stops_before_any_trained_token():

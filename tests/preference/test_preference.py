@@ -144,7 +144,7 @@ def test_padding_free_pairs_hold_each_prompt_once_and_train_like_padded_ones(lla
         model.set_optimizer("AdamW", lr=1e-2)
         losses = []
         for _ in range(3):
-            losses.append(model.forward_backward(rows))
+            losses.append(float(model.forward_backward(rows)))
             model.clip_grad_and_step(1.0)
         adapter = {n: p.detach().clone() for n, p in model.model.named_parameters() if p.requires_grad}
         return model, losses, model.calculate_metric(), adapter

@@ -168,7 +168,7 @@ def test_padding_free_groups_hold_each_prompt_once_and_train_like_padded_rows(tm
         batch["old_logps"][:, 1:][selected] = logps + 0.05  # a stale policy: the ratio is not 1
         losses = []
         for _ in range(3):
-            losses.append(model.forward_backward(dict(batch)))
+            losses.append(float(model.forward_backward(dict(batch))))
             model.clip_grad_and_step(1.0)
         return batch, losses, {n: p.detach() for n, p in model.model.named_parameters() if p.requires_grad}
 

@@ -24,7 +24,12 @@ behave exactly as with `attn_implementation="sdpa"`.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 ATTENTION_NAME = "twinkle_sdpa"
 _HALF = (torch.bfloat16, torch.float16)
@@ -76,21 +81,69 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
     return out.to(dtype)
 
 
-def _segments(bounds: torch.Tensor, prefixes: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+def _segments(bounds: torch.Tensor, prefixes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """For samples laid end to end (offsets `bounds`), each reading first the span (start, length) of the row in
     `prefixes` ([samples, 2]; length 0: none): the index that lays them out as a right-padded [samples, longest]
     batch (a row reads its prefix span, then its own tokens; padding repeats the sample's first token), the flat
-    positions of the outputs to keep (each sample's own tokens), the number of samples and the longest row."""
+    positions of the outputs to keep (each sample's own tokens), the number of samples and the longest row.
+    Computed where `bounds` lie (the host, for the batches the models build)."""
     starts, lengths = bounds[:-1].long(), (bounds[1:] - bounds[:-1]).long()
     lead, lead_start = prefixes[:, 1:].long(), prefixes[:, :1].long()
     rows = lead[:, 0] + lengths
     longest = int(rows.max())
-    steps = torch.arange(longest, device=device)[None, :]
+    steps = torch.arange(longest, device=bounds.device)[None, :]
     real = steps < rows[:, None]
     own = torch.where(real, starts[:, None] + steps - lead, starts[:, None])
     index = torch.where(steps < lead, lead_start + steps, own)
     keep = real & (steps >= lead)
     return index.flatten(), torch.nonzero(keep.flatten()).flatten(), len(lengths), longest
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How one padding-free batch attends, worked out once for all layers: the samples' spans as host integers
+    (start, end, prefix start, prefix length), and for the padded path the gather and keep indices on the device."""
+
+    spans: list[tuple[int, int, int, int]]
+    per_sample: bool
+    index: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+    samples: int = 0
+    longest: int = 0
+
+
+# One layout per batch (keyed by its cu_seq_lens_q tensor): every layer, and a recomputed forward, reuse it.
+_LAYOUTS = WeakTensorKeyDictionary()
+
+
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """To `device` without waiting for it (pinned memory, asynchronous copy) when it is a CUDA device."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _layout(cu_seq_lens_q: torch.Tensor, prefix_spans: torch.Tensor | None, device: torch.device) -> _Layout:
+    """The batch's attention layout. The models keep `cu_seq_lens_q` and `prefix_spans` on the host
+    (twinkle_core.models.batches.HOST_KEYS), so nothing here waits for the device; a caller that moved them
+    there pays one wait per forward, not one per layer."""
+    cached = _LAYOUTS.get(cu_seq_lens_q)
+    if cached is not None and cached[0] is prefix_spans and cached[1] == device:
+        return cached[2]
+    bounds = cu_seq_lens_q.cpu()
+    prefixes = torch.zeros(len(bounds) - 1, 2, dtype=torch.int32) if prefix_spans is None else prefix_spans.cpu()
+    spans = [(start, end, lead_start, lead) for start, end, (lead_start, lead)
+             in zip(bounds[:-1].tolist(), bounds[1:].tolist(), prefixes.tolist())]
+    lengths = [end - start + lead for start, end, _, lead in spans]
+    per_sample = max(lengths) >= LOOP_MIN_LENGTH and \
+        len(lengths) * max(lengths) ** 2 > LOOP_WASTE * sum(n * n for n in lengths)
+    if per_sample:
+        layout = _Layout(spans, True)
+    else:
+        index, keep, samples, longest = _segments(bounds, prefixes)
+        layout = _Layout(spans, False, _to(index, device), _to(keep, device), samples, longest)
+    _LAYOUTS[cu_seq_lens_q] = (prefix_spans, device, layout)
+    return layout
 
 
 def twinkle_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
@@ -104,13 +157,8 @@ def twinkle_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     if query.shape[0] != 1:
         raise ValueError(f"padding-free attention takes one row of samples laid end to end; got a batch of "
                          f"{query.shape[0]}")
-    bounds = cu_seq_lens_q.tolist()
-    samples = len(bounds) - 1
-    if prefix_spans is None:
-        prefix_spans = torch.zeros(samples, 2, dtype=torch.int32)
-    prefixes = prefix_spans.tolist()
-    lengths = [end - start + lead for start, end, (_, lead) in zip(bounds[:-1], bounds[1:], prefixes)]
-    if max(lengths) >= LOOP_MIN_LENGTH and len(lengths) * max(lengths) ** 2 > LOOP_WASTE * sum(n * n for n in lengths):
+    layout = _layout(cu_seq_lens_q, prefix_spans, query.device)
+    if layout.per_sample:
         # Long samples of uneven lengths: one kernel call per sample does a fraction of a padded batch's work.
         def sample(x, start, end, lead_start, lead):
             own = x[:, :, start:end]
@@ -118,26 +166,45 @@ def twinkle_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
 
         outs = [_attention(module, sample(query, *span), sample(key, *span), sample(value, *span), None, dropout,
                            scaling, True, **kwargs)[:, span[3]:]
-                for span in zip(bounds[:-1], bounds[1:], *zip(*prefixes)) if span[1] > span[0]]
+                for span in layout.spans if span[1] > span[0]]
         return torch.cat(outs, dim=1), None
     # Short or even samples: a right-padded batch for one kernel call. Causal attention never lets a real token see
     # the padding after it, and the padding's outputs are dropped.
-    index, keep, samples, longest = _segments(cu_seq_lens_q.to(query.device), prefix_spans.to(query.device),
-                                              query.device)
-
     def padded(x):
-        return x[0][:, index].unflatten(1, (samples, longest)).transpose(0, 1)
+        return x[0][:, layout.index].unflatten(1, (layout.samples, layout.longest)).transpose(0, 1)
 
     out = _attention(module, padded(query), padded(key), padded(value), None, dropout, scaling, True, **kwargs)
-    return out.flatten(0, 1)[keep][None], None
+    return out.flatten(0, 1).index_select(0, layout.keep)[None], None
+
+
+# Set while a padding-free batch runs forward (padding_free_forward): its mask is None, its attention keeps the
+# samples apart. Transformers' sdpa mask would first check on the device that its all-ones mask is all ones.
+_PADDING_FREE = contextvars.ContextVar("twinkle_padding_free", default=False)
+
+
+@contextlib.contextmanager
+def padding_free_forward(inputs: dict):
+    """Around a model forward of `inputs`: when they are a padding-free batch (cu_seq_lens_q), no attention mask is
+    built (the sdpa mask would be None for it, after reading the all-ones mask back from the device)."""
+    token = _PADDING_FREE.set("cu_seq_lens_q" in inputs)
+    try:
+        yield
+    finally:
+        _PADDING_FREE.reset(token)
+
+
+def _mask(*args, **kwargs):
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _PADDING_FREE.get() else sdpa_mask(*args, **kwargs)
 
 
 def _register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(ATTENTION_NAME, twinkle_sdpa)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, _mask)
 
 
 def padding_free_problems(model: torch.nn.Module) -> list[str]:

@@ -1,4 +1,5 @@
-"""Turn the `inputs` of forward_backward (chat rows or an encoded batch) into device tensors."""
+"""Turn the `inputs` of forward_backward (chat rows or an encoded batch) into device tensors (a Batch that keeps
+its host copy: twinkle_core.data.device_batch)."""
 from __future__ import annotations
 
 from typing import Any
@@ -6,6 +7,7 @@ from typing import Any
 import torch
 
 from twinkle_core.data import collate, collate_padding_free, encode_chat, get_row_format
+from twinkle_core.data.device_batch import HOST_KEYS, Batch, host_of, to_device  # noqa: F401 (re-exported)
 
 
 def to_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, max_length: int | None,
@@ -30,7 +32,7 @@ def to_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, ma
             "inputs must be a list of chat rows ({'messages': [...]}) or a dict with 'input_ids', 'labels' "
             "and 'attention_mask' or 'position_ids'."
         )
-    return {k: torch.as_tensor(v).to(device) for k, v in inputs.items()}
+    return to_device(inputs, device)
 
 
 def _rows_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device, max_length: int | None,
@@ -52,7 +54,7 @@ def _rows_batch(inputs: list[dict] | dict, tokenizer: Any, device: torch.device,
     missing = [key for key in row_format.batch_keys if not isinstance(inputs, dict) or key not in inputs]
     if missing:
         raise ValueError(f"inputs must be a list of {kind} rows or a collated batch dict; missing {missing}.")
-    return {k: torch.as_tensor(v).to(device) for k, v in inputs.items()}
+    return to_device(inputs, device)
 
 
 def _messages_of(row: dict | list) -> list[dict]:
@@ -67,6 +69,7 @@ def count_input_tokens(batch: dict[str, torch.Tensor]) -> int:
     """Non-padding tokens in a batch (all tokens when there is no 2-D attention mask), a shared prefix counted in
     every sample that reads it; every 2-D *attention_mask (an embedding batch has one for queries and one for
     documents) counts."""
+    batch = host_of(batch) or batch  # counted on the host where the batch was collated
     masks = [v for k, v in batch.items() if k.endswith("attention_mask") and v.dim() == 2]
     tokens = sum(int(mask.sum()) for mask in masks) if masks else batch["input_ids"].numel()
     if "prefix_spans" in batch:  # a padding-free row holds a shared prefix once for the samples that read it

@@ -8,6 +8,9 @@ Across data-parallel ranks the same holds: the token counts and summed losses ar
 ranks, and the gradients (which DDP/FSDP average over `grad_average_size` ranks) are multiplied by
 grad_average_size / global_tokens (see twinkle_core.parallel.strategy). The reported loss, aux_loss and
 trained_tokens are those of the whole global batch; tokens_per_s is this rank's.
+
+The summed losses stay on the device until the step: one read per optimizer step (with the gradient norm's,
+right after it), so that on a GPU the micro-batches queue their work without waiting for it.
 """
 from __future__ import annotations
 
@@ -93,11 +96,11 @@ class Stepper:
     step: int = 0
     last: StepMetrics | None = None
     _micro: int = 0
-    _loss_sum: float = 0.0
+    _loss_sum: torch.Tensor | float = 0.0  # device values until the step reads them (_read)
     _tokens: int = 0
     _seen_tokens: int = 0
-    _aux_sum: float | None = None
-    _metric_sums: dict[str, float] = field(default_factory=dict)
+    _aux_sum: torch.Tensor | float | None = None
+    _metric_sums: dict[str, torch.Tensor | float] = field(default_factory=dict)
     _started: float = field(default_factory=time.perf_counter)
 
     def start_micro_batch(self) -> None:
@@ -125,13 +128,13 @@ class Stepper:
         """Count a micro-batch whose backward ran already (several steppers sharing one backward pass; or
         `micro_batches` at once, as a cached-embedding step does)."""
         self._micro += micro_batches
-        self._loss_sum += float(loss_sum.detach())
+        self._loss_sum = self._loss_sum + _exact(loss_sum)
         self._tokens += trained_tokens
         self._seen_tokens += seen_tokens
         if aux_loss is not None:  # weighted by tokens, as it enters the loss
-            self._aux_sum = (self._aux_sum or 0.0) + float(aux_loss) * trained_tokens
+            self._aux_sum = (0.0 if self._aux_sum is None else self._aux_sum) + _exact(aux_loss) * trained_tokens
         for name, value in (metrics or {}).items():
-            self._metric_sums[name] = self._metric_sums.get(name, 0.0) + float(value)
+            self._metric_sums[name] = self._metric_sums.get(name, 0.0) + _exact(value)
 
     def is_accumulation_boundary(self) -> bool:
         return self._micro >= self.gradient_accumulation_steps
@@ -145,8 +148,9 @@ class Stepper:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         names = sorted(self._metric_sums)  # the same objective on every rank: the same names
-        loss_sum, tokens, aux_sum, *metric_sums = self.parallel.all_reduce_sum(
-            [self._loss_sum, self._tokens, self._aux_sum or 0.0] + [self._metric_sums[name] for name in names])
+        sums = _read([self._loss_sum, 0.0 if self._aux_sum is None else self._aux_sum] +
+                     [self._metric_sums[name] for name in names])  # the step's one wait for the device
+        loss_sum, tokens, aux_sum, *metric_sums = self.parallel.all_reduce_sum([sums[0], self._tokens, *sums[1:]])
         tokens = int(tokens)
         grads = [p.grad for p in self.parameters if p.grad is not None]
         scale = self.parallel.grad_average_size / max(1, tokens)
@@ -182,6 +186,18 @@ class Stepper:
         self._micro, self._loss_sum, self._tokens, self._seen_tokens, self._aux_sum = 0, 0.0, 0, 0, None
         self._metric_sums = {}
         self._started = time.perf_counter()
+
+
+def _exact(value: torch.Tensor | float) -> torch.Tensor | float:
+    """A loss term to add up: a detached float64 device tensor (not read yet), or a float."""
+    return value.detach().double() if isinstance(value, torch.Tensor) else float(value)
+
+
+def _read(values: list[torch.Tensor | float]) -> list[float]:
+    """`values` as floats, the device tensors among them read in one copy."""
+    tensors = [v.reshape(()) for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack(tensors).tolist() if tensors else [])
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 def _by_tensor_type(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -254,8 +254,10 @@ class TransformersModel:
         stepper = self._require_optimizer("set_lr_scheduler")
         stepper.scheduler = build_scheduler(stepper.optimizer, scheduler_cls, num_warmup_steps, num_training_steps)
 
-    def forward_backward(self, inputs: list[dict] | dict) -> float:
-        """Forward and backward one local micro-batch; return the mean token loss of this rank's rows.
+    def forward_backward(self, inputs: list[dict] | dict) -> torch.Tensor | float:
+        """Forward and backward one local micro-batch; return the mean token loss of this rank's rows, a 0-d
+        tensor as HF Trainer's training_step returns it: reading it (float(loss)) waits for the device, the step
+        itself does not (one read per optimizer step, in clip_grad_and_step).
 
         A contrastive objective (infonce) also takes a whole step as a list of collated micro-batches: they are
         accumulated exactly through cached embeddings (twinkle_core.models.cached_step), every micro-batch's
@@ -273,7 +275,7 @@ class TransformersModel:
             with self.precision.autocast(self.device.type):
                 parts = runner(batch, self.router_aux_loss_coef)
             stepper.backward(parts.loss_sum, parts.num_tokens, seen_tokens, parts.aux_loss, parts.metrics)
-        return self._rows_loss(float(parts.loss_sum.detach()), parts.num_tokens)
+        return self._rows_loss(parts.loss_sum.detach(), parts.num_tokens)
 
     def clip_grad_and_step(self, max_grad_norm: float | None = 1.0) -> bool:
         """Clip and step when the accumulation boundary is reached; return whether a step was taken."""
@@ -295,7 +297,7 @@ class TransformersModel:
         self._eval[1] += parts.num_tokens
         for name, value in (parts.metrics or {}).items():
             self._eval_metrics[name] = self._eval_metrics.get(name, 0.0) + value
-        return self._rows_loss(float(parts.loss_sum), parts.num_tokens)
+        return float(self._rows_loss(float(parts.loss_sum), parts.num_tokens))
 
     def calculate_metric(self, is_training: bool = True) -> dict[str, float]:
         """Training: the last step's loss, grad_norm, lr, tokens_per_s (+ aux_loss for MoE with a router loss).
@@ -429,10 +431,10 @@ class TransformersModel:
         pad = self.tokenizer.pad_token_id
         return self.sequence.shard(batch, self.tokenizer.eos_token_id if pad is None else pad)
 
-    def _rows_loss(self, loss_sum: float, num_tokens: int) -> float:
-        """The token-mean loss of this rank's rows (under sequence parallelism: of all their slices)."""
+    def _rows_loss(self, loss_sum: torch.Tensor | float, num_tokens: int) -> torch.Tensor | float:
+        """The token-mean loss of this rank's rows (under sequence parallelism: of all their slices, read here)."""
         if self.sequence is not None:
-            loss_sum, num_tokens = self.sequence.sum([loss_sum, num_tokens])
+            loss_sum, num_tokens = self.sequence.sum([float(loss_sum), num_tokens])
         return loss_sum / max(1, num_tokens)
 
     def _require_optimizer(self, verb: str) -> Stepper:

@@ -21,6 +21,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from twinkle_core.data.device_batch import host_of
+from twinkle_core.models.attention import padding_free_forward
 from twinkle_core.objectives.linear_ce import fusable_head, linear_cross_entropy_sum
 from twinkle_core.objectives.router_balance import global_aux_loss_share
 
@@ -125,6 +127,24 @@ def target_owners(batch: dict[str, torch.Tensor], selected: torch.Tensor) -> tor
     return (torch.searchsorted(bounds, tokens, right=True) - 1)[selected[0]]
 
 
+def trained_positions(labels: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The positions that predict a target, as flat indices over labels' [rows, length] on `device`: found on the
+    host from the collated labels, they select on the device without waiting for it (a boolean mask would)."""
+    rows, cols = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
+    flat = rows * labels.shape[1] + cols
+    if device.type == "cuda" and flat.device.type == "cpu":
+        return flat.pin_memory().to(device, non_blocking=True)
+    return flat.to(device)
+
+
+def at_trained(x: torch.Tensor, selected: torch.Tensor, positions: slice = slice(None, -1)) -> torch.Tensor:
+    """x[:, positions][selected]; `selected` is that boolean mask or flat indices over x's first two dimensions
+    (trained_positions)."""
+    if selected.dtype == torch.bool:
+        return x[:, positions][selected]
+    return x.flatten(0, 1).index_select(0, selected)
+
+
 def trained_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], selected: torch.Tensor,
                    extra: dict | None = None, positions: slice = slice(None, -1)) -> tuple[torch.Tensor, Any]:
     """Logits at the `selected` (trained) positions, in row-major order, and the model's outputs.
@@ -134,19 +154,21 @@ def trained_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], sele
     One pass over the whole batch; the output layer runs only where a label exists when the head allows it.
     """
     hidden, head, outputs = trained_hidden(model, inputs, selected, extra, positions)
-    return (outputs.logits[:, positions][selected] if head is None else head(hidden)), outputs
+    return (at_trained(outputs.logits, selected, positions) if head is None else head(hidden)), outputs
 
 
 def trained_hidden(model: torch.nn.Module, inputs: dict[str, torch.Tensor], selected: torch.Tensor,
                    extra: dict | None = None, positions: slice = slice(None, -1)) -> tuple[torch.Tensor | None,
                                                                                           torch.nn.Module | None, Any]:
     """(last hidden states at the `selected` positions, the output layer, the model's outputs) when the logits are
-    exactly output_layer(hidden); else (None, None, outputs) with the full logits in `outputs.logits`."""
+    exactly output_layer(hidden); else (None, None, outputs) with the full logits in `outputs.logits`. `selected`:
+    a boolean mask over the `positions`, or trained_positions' flat indices."""
     base = unwrap(model)
-    if has_plain_head(base):
-        outputs = backbone(base)(**inputs, use_cache=False, **(extra or {}))
-        return outputs.last_hidden_state[:, positions][selected], base.get_output_embeddings(), outputs
-    return None, None, model(**inputs, use_cache=False, **(extra or {}))
+    with padding_free_forward(inputs):
+        if has_plain_head(base):
+            outputs = backbone(base)(**inputs, use_cache=False, **(extra or {}))
+            return at_trained(outputs.last_hidden_state, selected, positions), base.get_output_embeddings(), outputs
+        return None, None, model(**inputs, use_cache=False, **(extra or {}))
 
 
 def causal_lm_loss_sum(
@@ -163,8 +185,14 @@ def causal_lm_loss_sum(
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
     targets = batch["shift_labels"] if shifted else batch["labels"][:, 1:]
     positions = slice(None) if shifted else slice(None, -1)  # the positions that predict a target
-    selected = targets != IGNORE_INDEX
-    num_tokens = int(selected.sum())
+    host = None if shifted else host_of(batch)
+    if host is not None:  # positions and count from the collated labels: nothing waits for the device
+        selected = trained_positions(host["labels"], targets.device)
+        num_tokens, targets = selected.numel(), batch["labels"].flatten()
+        target_ids = targets.index_select(0, selected + 1)  # the next token of the row
+    else:
+        selected = targets != IGNORE_INDEX
+        num_tokens, target_ids = int(selected.sum()), targets[selected]
     base = unwrap(model)
     coef = resolve_router_aux_loss_coef(base, router_aux_loss_coef)
     balance = _router_balance(base) if coef else None
@@ -173,10 +201,10 @@ def causal_lm_loss_sum(
     if head is not None and fusable_head(head) and not head.weight.requires_grad:  # a frozen head (LoRA): chunked,
         # no [tokens, vocab] fp32 logits (linear_ce.py); a trained head keeps autograd's path, which every parallel
         # strategy's gradient reduction of the output weight was proven with
-        loss_sum = linear_cross_entropy_sum(hidden, head.weight, targets[selected])
+        loss_sum = linear_cross_entropy_sum(hidden, head.weight, target_ids)
     else:
-        logits = outputs.logits[:, positions][selected] if head is None else head(hidden)
-        loss_sum = F.cross_entropy(logits.float(), targets[selected], reduction="sum")
+        logits = at_trained(outputs.logits, selected, positions) if head is None else head(hidden)
+        loss_sum = F.cross_entropy(logits.float(), target_ids, reduction="sum")
     if balance is None:
         return LossParts(loss_sum, num_tokens)
     func, num_experts, top_k = balance

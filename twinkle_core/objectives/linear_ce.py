@@ -24,7 +24,8 @@ CHUNK_ELEMENTS = 1 << 23  # logits per chunk: 32 MB in fp32 (fewer rows make the
 
 def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     device = tensor.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    return torch.get_autocast_dtype(device) if autocast else tensor.dtype
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -1,0 +1,38 @@
+"""A collated batch on the model's device, with its host copy.
+
+The step reads counts and trained positions from the batch as collated, on the host (`Batch.host`), and a
+padding-free batch's layout stays there (HOST_KEYS): on a GPU the step then queues its work without waiting for
+the device (a read of a device value, `int(mask.sum())` or a boolean index, would wait for all queued work).
+"""
+from __future__ import annotations
+
+import torch
+
+# A padding-free batch's layout: the attention reads it on the host (twinkle_core.models.attention).
+HOST_KEYS = ("cu_seq_lens_q", "prefix_spans")
+
+
+class Batch(dict):
+    """A batch's tensors on the model's device (HOST_KEYS on the host); `host`: all of them as collated."""
+
+    host: dict[str, torch.Tensor]
+
+
+def to_device(inputs: dict, device: torch.device) -> Batch:
+    """`inputs` (tensors or lists) as a Batch on `device`; copies to a CUDA device are asynchronous (pinned memory)."""
+    host = {k: torch.as_tensor(v) for k, v in inputs.items()}
+    cuda = device.type == "cuda"
+    batch = Batch({k: v if k in HOST_KEYS else
+                   v.pin_memory().to(device, non_blocking=True) if cuda and v.device.type == "cpu" else v.to(device)
+                   for k, v in host.items()})
+    batch.host = host
+    return batch
+
+
+def host_of(batch: dict) -> dict[str, torch.Tensor] | None:
+    """The host tensors of a batch built by to_device (None for any other dict, or when its labels changed since)."""
+    host = getattr(batch, "host", None)
+    if host is None or ("labels" in batch and host.get("labels") is not None and
+                        host["labels"].shape != batch["labels"].shape):
+        return None
+    return host

@@ -24,6 +24,9 @@ from peft import LoraConfig, set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from twinkle_core.atomic import atomic_dir
+from twinkle_core.data import collate_padding_free
+from twinkle_core.data.device_batch import to_device
+from twinkle_core.models.attention import padding_free_forward
 from twinkle_core.errors import UserError
 from twinkle_core.models.lora_routing import BASE_ONLY, RowGroup
 from twinkle_core.models.tenants import adapter_of
@@ -309,29 +312,46 @@ class TinkerEngine:
         return out
 
     def _target_logprobs(self, data: list, groups: list[RowGroup]) -> list[torch.Tensor]:
-        """Each row's log-probability of its target tokens (shaped like target_tokens), with autograd."""
+        """Each row's log-probability of its target tokens (shaped like target_tokens), with autograd.
+
+        A model that takes padding-free batches runs the rows end to end in one row (positions restarting per
+        datum, each tenant's tokens one span of the router's token axis): no padding, whatever the rows'
+        lengths. Others run a right-padded batch."""
         device = self.model.device
-        length = max(len(d.tokens) for d in data)
-        input_ids = torch.zeros(len(data), length, dtype=torch.long)
-        mask = torch.zeros(len(data), length, dtype=torch.long)
-        for r, d in enumerate(data):
-            input_ids[r, :len(d.tokens)] = torch.from_numpy(d.tokens)
-            mask[r, :len(d.tokens)] = 1
-        inputs = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+        lengths = [len(d.tokens) for d in data]
         targets = [torch.as_tensor(d.inputs["target_tokens"], dtype=torch.long, device=device) for d in data]
+        if self.model.padding_free:
+            inputs = collate_padding_free([{"input_ids": d.tokens.tolist(), "labels": d.tokens.tolist()}
+                                           for d in data], share_prefix=False)
+            inputs = to_device({k: v for k, v in inputs.items() if k != "labels"}, device)
+            bounds = inputs["cu_seq_lens_q"].tolist()
+            route = self.model.router.route([RowGroup(g.adapter, bounds[g.start], bounds[g.stop]) for g in groups],
+                                            axis=1)
+            real = None
+        else:
+            length = max(lengths)
+            input_ids = torch.zeros(len(data), length, dtype=torch.long)
+            mask = torch.zeros(len(data), length, dtype=torch.long)
+            for r, d in enumerate(data):
+                input_ids[r, :len(d.tokens)] = torch.from_numpy(d.tokens)
+                mask[r, :len(d.tokens)] = 1
+            inputs = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+            route, real = self.model.router.route(groups), mask.to(device).bool()
         base = unwrap(self.model.model)
         head = base.get_output_embeddings() if has_plain_head(base) else None
-        with self.model.router.route(groups), self.model.precision.autocast(device.type):
+        with route, self.model.precision.autocast(device.type), padding_free_forward(inputs):
             if head is not None and fusable_head(head) and all(t.ndim == 1 for t in targets):
                 # The output layer a chunk of positions at a time: no [rows, length, vocab] logits (they made
                 # a 12-row mixed batch of a 49k vocabulary several times slower than its rows one by one).
-                hidden = backbone(base)(**inputs, use_cache=False).last_hidden_state[mask.to(device).bool()]
+                hidden = backbone(base)(**inputs, use_cache=False).last_hidden_state
+                hidden = hidden[0] if real is None else hidden[real]
                 flat = linear_target_logprobs(hidden, head.weight, torch.cat(targets))
-                return list(flat.split([len(d.tokens) for d in data]))
+                return list(flat.split(lengths))
             logits = self.model.model(**inputs).logits
+        rows = logits[0].split(lengths) if real is None else [logits[r, :n] for r, n in enumerate(lengths)]
         out = []
-        for r, t in enumerate(targets):
-            row = torch.log_softmax(logits[r, :len(t)].float(), dim=-1)
+        for row, t in zip(rows, targets):
+            row = torch.log_softmax(row.float(), dim=-1)
             gathered = row.gather(-1, t if t.ndim == 2 else t[:, None])
             out.append(gathered if t.ndim == 2 else gathered[:, 0])
         return out

@@ -13,6 +13,8 @@ So the routing is ours, installed once as two hooks on every PEFT LoRA linear la
   tenant's adapter: the rows of one tenant are contiguous, so `x[rows]` is a view, and the deltas of all
   groups are concatenated in row order and added once. A group with no rows still runs its (empty)
   matmuls, which gives its tenant defined, zero gradients on this rank.
+- a padding-free batch (one row of samples end to end) is routed the same way along its tokens
+  (`route(groups, axis=1)`): a group is then a span of tokens, each tenant's samples lying together.
 
 With one group covering every row this is exactly PEFT's own LoRA forward (same ops, same order), so a
 tenant trains bit-for-bit like a single adapter on TransformersModel. Outside `route(...)` a forward
@@ -32,7 +34,7 @@ BASE_ONLY = "__base__"  # PEFT's per-row name for "no adapter on this row"
 
 @dataclass(frozen=True)
 class RowGroup:
-    """Rows `start:stop` of the batch use `adapter` (stop None: to the end)."""
+    """Rows `start:stop` of the batch use `adapter` (stop None: to the end); tokens, when routed along axis 1."""
 
     adapter: str
     start: int = 0
@@ -48,6 +50,7 @@ class LoraRouter:
 
     def __init__(self):
         self._groups: tuple[RowGroup, ...] | None = None
+        self._axis = 0
         self._hooked: set[int] = set()
         self._handles: list = []
 
@@ -60,13 +63,15 @@ class LoraRouter:
                 self._hooked.add(id(module))
 
     @contextlib.contextmanager
-    def route(self, groups: list[RowGroup] | tuple[RowGroup, ...]) -> Iterator[None]:
-        """Forwards inside this context send each group's rows through its own adapter."""
-        previous, self._groups = self._groups, tuple(groups)
+    def route(self, groups: list[RowGroup] | tuple[RowGroup, ...], axis: int = 0) -> Iterator[None]:
+        """Forwards inside this context send each group's rows (axis 0) or tokens (axis 1: a padding-free row)
+        through its own adapter."""
+        previous, self._groups = (self._groups, self._axis), tuple(groups)
+        self._axis = axis
         try:
             yield
         finally:
-            self._groups = previous
+            self._groups, self._axis = previous
 
     def _base_only(self, module: LoraLinear, args: tuple, kwargs: dict):
         if self._groups is None:
@@ -78,17 +83,18 @@ class LoraRouter:
     def _add_tenant_deltas(self, module: LoraLinear, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
         x = args[0]
         deltas, adapted = [], False
+        span = (slice(None),) * self._axis  # rows, or tokens of every row
         for group in self._groups:
-            rows = x[group.rows]
+            rows = x[(*span, group.rows)]
             if group.adapter in module.lora_A:
                 lora_a, lora_b = module.lora_A[group.adapter], module.lora_B[group.adapter]
                 rows = rows.to(lora_a.weight.dtype)
                 delta = lora_b(lora_a(module.lora_dropout[group.adapter](rows))) * module.scaling[group.adapter]
                 adapted = True
             else:  # this tenant does not adapt this layer
-                delta = output.new_zeros((rows.shape[0], *output.shape[1:]))
+                delta = output.new_zeros((*rows.shape[:-1], output.shape[-1]))
             deltas.append(delta)
         if not adapted:
             return output
-        delta = deltas[0] if len(deltas) == 1 else torch.cat([d.to(output.dtype) for d in deltas])
+        delta = deltas[0] if len(deltas) == 1 else torch.cat([d.to(output.dtype) for d in deltas], dim=self._axis)
         return (output + delta).to(output.dtype)

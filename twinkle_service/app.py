@@ -30,7 +30,7 @@ from twinkle_core.tracking.model_logging import BaseModelRef
 from twinkle_service.runner import FORWARD_BACKWARD, EngineRunner, Job
 from twinkle_service.tracking import SessionRuns, key_hash
 from twinkle_service.worker import RemoteEngine, WorkerTree
-from twinkle_service.wire import WireError, decode_forward_backward, encode_forward_backward, encode_sample
+from twinkle_service.wire import MAX_TOPK, WireError, decode_forward_backward, encode_forward_backward, encode_sample
 
 logger = logging.getLogger(__name__)
 
@@ -572,14 +572,18 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
             sampler_id = service.sampling_session(key, body.sampling_session_id).sampler_id
         else:
             sampler_id = service.sampler(key, body.model_path, body.base_model)
-        refused = [name for name, asked in (("topk_prompt_logprobs", body.topk_prompt_logprobs),
-                                            ("topk_sample_logprobs", body.topk_sample_logprobs),
-                                            ("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
-                                            ("target_prompt_logprobs", body.target_prompt_logprobs is not None),
-                                            ("prompt_logprobs_last_n", body.prompt_logprobs_last_n is not None))
+        refused = [name for name, asked in (("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
+                                            ("target_prompt_logprobs", body.target_prompt_logprobs is not None))
                    if asked]
         if refused:
-            raise ApiError(400, f"{', '.join(refused)}: not supported by this server (plain and prompt logprobs are)")
+            raise ApiError(400, f"{', '.join(refused)}: not supported by this server (sampled, prompt and top-k "
+                                "logprobs are)")
+        for k, what in ((body.topk_prompt_logprobs, "topk_prompt_logprobs"),
+                        (body.topk_sample_logprobs, "topk_sample_logprobs")):
+            if not 0 <= k <= MAX_TOPK:
+                raise ApiError(400, f"{what}={k}: this server returns 0..{MAX_TOPK} top tokens a position")
+        if body.prompt_logprobs_last_n is not None and not body.prompt_logprobs:
+            raise ApiError(400, "prompt_logprobs_last_n needs prompt_logprobs=True")
         params = body.sampling_params
         stop = [params.stop] if isinstance(params.stop, str) else params.stop
         stop_strings = [s for s in stop or [] if isinstance(s, str)]
@@ -603,12 +607,12 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "seed": params.seed if params.seed is not None else secrets.randbits(31), "stop_tokens": None if stop is None or stop_strings else [int(t) for t in stop],
                 "stop_strings": stop_strings or None,
-                "prompt_logprobs": bool(body.prompt_logprobs)}
+                "prompt_logprobs": bool(body.prompt_logprobs), "topk_prompt": body.topk_prompt_logprobs,
+                "topk_sample": body.topk_sample_logprobs, "prompt_last_n": body.prompt_logprobs_last_n}
 
         def encoded(result, error):
             if error is None:
-                sequences, prompt_logprobs = result
-                return encode_sample(sequences, prompt_logprobs)
+                return encode_sample(*result)
 
         future = service.submit(key, "sample", sampler_id or "__base__", args, encoded)
         return {**future, "sample_sequence_ids": [f"{future['request_id']}-{i}" for i in range(body.num_samples)]}

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from peft import LoraConfig, set_peft_model_state_dict
 from safetensors.torch import load_file
+from tinker.types.topk_logprobs import MASK_LOGPROB  # the SDK's "no token here"
 
 from twinkle_core.atomic import atomic_dir
 from twinkle_core.data import collate_padding_free
@@ -36,8 +37,12 @@ from twinkle_core.objectives.linear_ce import fusable_head, linear_target_logpro
 from twinkle_core.models.state_dirs import MANIFEST_FILE, damage, write_manifest
 from twinkle_core.rl.sampler import PolicySampler, SamplingSettings
 from twinkle_service.losses import check_inputs, loss_sum
-from twinkle_service.wire import ForwardBackwardIn
+from twinkle_service.wire import MAX_TOPK, ForwardBackwardIn
 
+# A sample: its tokens, their log-probabilities, why it stopped, and its top tokens ((ids, logprobs) [n, k]) or None
+Sampled = tuple[list[int], list[float], str, "tuple[np.ndarray, np.ndarray] | None"]
+# The prompt's log-probabilities ([len], NaN where unscored) or None, and its top tokens or None
+Scores = tuple["np.ndarray | None", "tuple[np.ndarray, np.ndarray] | None"]
 LORA_ALPHA = 32  # Tinker's LoRA scale is alpha/rank with a fixed alpha
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -188,10 +193,12 @@ class TinkerEngine:
     @torch.no_grad()
     def sample(self, sampler_id: str | None, prompt: list[int], num_samples: int, max_tokens: int,
                temperature: float, top_p: float, top_k: int, seed: int | None, stop_tokens: list[int] | None,
-               prompt_logprobs: bool, stop_strings: list[str] | None = None,
-               ) -> tuple[list[tuple[list[int], list[float], str]], list[float] | None]:
+               prompt_logprobs: bool, stop_strings: list[str] | None = None, topk_prompt: int = 0,
+               topk_sample: int = 0, prompt_last_n: int | None = None) -> tuple[list[Sampled], Scores | None]:
         """`num_samples` completions of `prompt`: each one's tokens, their log-probabilities under the sampled
-        weights (temperature 1, as forward computes them) and why it stopped; the prompt's log-probabilities.
+        weights (temperature 1, as forward computes them), why it stopped and (with `topk_sample`) the top
+        tokens at each of its positions; the prompt's log-probabilities (and `topk_prompt` top tokens) at every
+        position but the first, or only the last `prompt_last_n`.
         `stop_strings`: a completion ends with the token that completes the first of them in its text (the end
         of sequence token still stops it too)."""
         if not prompt or len(prompt) + max_tokens > self.max_length:
@@ -200,32 +207,60 @@ class TinkerEngine:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise UserError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        for k, what in ((topk_prompt, "topk_prompt_logprobs"), (topk_sample, "topk_sample_logprobs")):
+            if not 0 <= k <= MAX_TOPK:
+                raise UserError(f"{what}={k}: this server returns 0..{MAX_TOPK} top tokens a position")
+        if prompt_last_n is not None and not 1 <= prompt_last_n <= len(prompt) - 1:
+            raise UserError(f"prompt_logprobs_last_n={prompt_last_n} must be in 1..{len(prompt) - 1} (the prompt's "
+                            "positions after the first)")
         tokenizer = self.model.tokenizer
         eos = [tokenizer.eos_token_id] if stop_tokens is None else list(stop_tokens)
         settings = SamplingSettings(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                     top_k=max(0, top_k))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        k = max(topk_prompt, topk_sample)
         with self._sampler_weights(sampler_id) as adapter, self.model.router.route([RowGroup(adapter)]):
             sampler = PolicySampler(self.model.model, pad, [t for t in eos if t is not None], self.model.device,
                                     lambda: self.model.precision.autocast(self.model.device.type))
             completions = sampler.sample([prompt], num_samples, settings, seed if seed is not None else 0)
-            scored = [self._sequence_logprobs(prompt + c) for c in completions]
+            scored = [self._score(prompt + c, k) for c in completions]
         sequences = []
-        for completion, logprobs in zip(completions, scored):
+        for completion, (logprobs, top_ids, top_logprobs) in zip(completions, scored):
             cut = _stop_string_end(tokenizer, completion, stop_strings) if stop_strings else None
             completion = completion if cut is None else completion[:cut]
             stop = "stop" if cut is not None or (completion and completion[-1] in eos) else "length"
-            sequences.append((completion, logprobs[len(prompt) - 1:len(prompt) - 1 + len(completion)].tolist(), stop))
-        first = [float("nan")] + scored[0][:len(prompt) - 1].tolist() if prompt_logprobs and scored else None
-        return sequences, first
+            own = slice(len(prompt) - 1, len(prompt) - 1 + len(completion))
+            top = (top_ids[own, :topk_sample], top_logprobs[own, :topk_sample]) if topk_sample else None
+            sequences.append((completion, logprobs[own].tolist(), stop, top))
+        if not (prompt_logprobs or topk_prompt) or not scored:
+            return sequences, None
+        logprobs, top_ids, top_logprobs = scored[0]
+        # Position i of the prompt is scored from the tokens before it: none for the first, and (last_n) only the
+        # last ones asked for; an unscored position is NaN (no top tokens: id 0, MASK_LOGPROB).
+        first = len(prompt) - (prompt_last_n or len(prompt) - 1)
+        values = np.full(len(prompt), np.nan, np.float32)
+        values[first:] = logprobs[first - 1:len(prompt) - 1]
+        top = None
+        if topk_prompt:
+            ids = np.zeros((len(prompt), topk_prompt), np.int32)
+            lps = np.full((len(prompt), topk_prompt), MASK_LOGPROB, np.float32)
+            ids[first:], lps[first:] = top_ids[first - 1:len(prompt) - 1, :topk_prompt], \
+                top_logprobs[first - 1:len(prompt) - 1, :topk_prompt]
+            top = (ids, lps)
+        return sequences, (values if prompt_logprobs else None, top)
 
-    def _sequence_logprobs(self, tokens: list[int]) -> np.ndarray:
-        """log p(token i+1 | tokens up to i) for every position of one sequence."""
+    def _score(self, tokens: list[int], k: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For every position of one sequence: log p(token i+1 | tokens up to i), and the `k` most likely next
+        tokens with their log-probabilities (most likely first)."""
         ids = torch.tensor([tokens], device=self.model.device)
         with self.model.precision.autocast(self.model.device.type):
             logits = self.model.model(input_ids=ids).logits[0, :-1].float()
-        targets = ids[0, 1:, None]
-        return torch.log_softmax(logits, -1).gather(-1, targets)[:, 0].cpu().numpy()
+        log_probs = torch.log_softmax(logits, -1)
+        chosen = log_probs.gather(-1, ids[0, 1:, None])[:, 0].cpu().numpy()
+        top = log_probs.topk(k, dim=-1) if k else None
+        empty = np.zeros((len(tokens) - 1, 0))
+        return (chosen, top.indices.int().cpu().numpy() if k else empty.astype(np.int32),
+                top.values.cpu().numpy() if k else empty.astype(np.float32))
 
     # ----- training --------------------------------------------------------------------------------
     def check(self, request: ForwardBackwardIn) -> None:

@@ -19,6 +19,9 @@ _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32
 _PROTO = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
 
 
+MAX_TOPK = 20  # top tokens a position that sampling returns, at most (topk_*_logprobs)
+
+
 class WireError(UserError):
     """A request body the server cannot read (answered 400)."""
 
@@ -108,16 +111,28 @@ def encode_forward_backward(outputs: list[dict[str, np.ndarray]], metrics: dict[
     return message.SerializeToString()
 
 
-def encode_sample(sequences: list[tuple[list[int], list[float] | None, str]],
-                  prompt_logprobs: np.ndarray | None = None) -> bytes:
-    """A SampleResponse: each sequence's tokens (int32), logprobs (float32) and stop reason."""
+def encode_sample(sequences: list[tuple], prompt: tuple | None = None) -> bytes:
+    """A SampleResponse: each sequence's tokens (int32), logprobs (float32), stop reason and top-k logprobs; the
+    prompt's logprobs and top-k logprobs (TinkerEngine.sample's results)."""
     message = pb.SampleResponse()
-    for tokens, logprobs, stop in sequences:
+    for tokens, logprobs, stop, top in sequences:
         seq = message.sequences.add()
         seq.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
         if logprobs is not None:
             seq.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
         seq.stop_reason = pb.STOP_REASON_LENGTH if stop == "length" else pb.STOP_REASON_STOP
+        if top is not None:
+            _topk(seq.topk_sampled_logprobs, *top)
+    prompt_logprobs, top = prompt or (None, None)
     if prompt_logprobs is not None:
         message.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if top is not None:
+        _topk(message.topk_prompt_logprobs, *top)
     return message.SerializeToString()
+
+
+def _topk(message: pb.TopkLogprobs, ids: np.ndarray, logprobs: np.ndarray) -> None:
+    """Dense [positions, k] matrices, row-major (the SDK's TopkLogprobs)."""
+    message.length, message.k = ids.shape
+    message.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+    message.logprobs = np.ascontiguousarray(logprobs, dtype=np.float32).tobytes()

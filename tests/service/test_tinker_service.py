@@ -304,6 +304,21 @@ def test_sampling_is_greedy_exact_a_snapshot_and_scores_like_forward(service, ti
     assert tokens == [int(table[len(prompt) - 1 + i].argmax()) for i in range(3)]  # greedy is the argmax
     assert out.prompt_logprobs[0] is None
     np.testing.assert_allclose(out.prompt_logprobs[1:], [table[i, prompt[i + 1]] for i in range(3)], atol=1e-5)
+    # top-k logprobs (most likely first) at the prompt's last 2 positions and at each sampled token
+    top = trained.sample(types.ModelInput.from_ints(prompt), 1, greedy, include_prompt_logprobs=True,
+                         topk_prompt_logprobs=3, topk_sample_logprobs=2, prompt_logprobs_last_n=2).result()
+    assert top.prompt_logprobs[:2] == [None, None] and top.topk_prompt_logprobs[:2] == [None, None]
+    np.testing.assert_allclose(top.prompt_logprobs[2:], [table[i, prompt[i + 1]] for i in (1, 2)], atol=1e-5)
+    for i, entry in zip((1, 2), top.topk_prompt_logprobs[2:]):
+        best = np.argsort(-table[i])[:3]
+        assert [t for t, _ in entry] == best.tolist()
+        np.testing.assert_allclose([lp for _, lp in entry], table[i, best], atol=1e-5)
+    assert top.sequences[0].tokens == tokens and len(top.sequences[0].topk_logprobs) == 3
+    for j, entry in enumerate(top.sequences[0].topk_logprobs):
+        best = np.argsort(-table[len(prompt) - 1 + j])[:2]
+        assert [t for t, _ in entry] == best.tolist() and entry[0][0] == tokens[j]  # greedy took the first
+    with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs=21: this server returns 0..20"):
+        trained.sample(types.ModelInput.from_ints(prompt), 1, greedy, topk_prompt_logprobs=21).result()
     # the snapshot taken before training still samples the untrained weights
     again = before.sample(types.ModelInput.from_ints(prompt), 1, greedy).result().sequences[0]
     assert again.tokens == first.tokens

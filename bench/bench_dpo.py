@@ -174,7 +174,7 @@ def run_ours(path: str, rows: list[dict], args, sft: bool = False, profile: bool
                 profiler = cProfile.Profile()
                 profiler.enable()
         start = time.perf_counter()
-        losses.append(model.forward_backward(batch))
+        losses.append(float(model.forward_backward(batch)))
         model.clip_grad_and_step(max_grad_norm=1.0)
         sync()
         step_seconds.append(time.perf_counter() - start)

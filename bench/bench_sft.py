@@ -106,7 +106,10 @@ def run_ours(model_dir: str, batches: list[list[dict]], args) -> dict:
     from twinkle_core.data import collate, collate_padding_free
     from twinkle_core.models import TransformersModel
 
+    import torch
+
     model = TransformersModel(model_dir, mixed_precision="bf16" if args.precision == "bf16" else "no")
+    torch.manual_seed(0)  # the LoRA A matrices: the same draw on every run (and side)
     model.add_adapter_to_model("default", LoraConfig(**LORA))
     model.set_optimizer("AdamW", lr=LR, weight_decay=0.0)
     pad = model.tokenizer.pad_token_id
@@ -115,7 +118,7 @@ def run_ours(model_dir: str, batches: list[list[dict]], args) -> dict:
         start = time.perf_counter()
         batch = collate_padding_free(rows, share_prefix=args.one != "ours-unshared") if model.padding_free \
             else collate(rows, pad_token_id=pad)
-        losses.append(model.forward_backward(batch))
+        losses.append(float(model.forward_backward(batch)))  # read every step, as the HF side does
         model.clip_grad_and_step(max_grad_norm=1.0)
         seconds.append(time.perf_counter() - start)
         trained.append(sum(sum(1 for label in r["labels"][1:] if label != -100) for r in rows))
@@ -151,6 +154,7 @@ def run_hf(model_dir: str, batches: list[list[dict]], args, trl_mode: str | None
                   logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
                   train_sampling_strategy="sequential", num_train_epochs=1)
     clock = StepClock(lambda: None)
+    torch.manual_seed(0)  # the LoRA A matrices (drawn before Trainer seeds anything), as on our side
     with tempfile.TemporaryDirectory(prefix="bench-sft-") as output_dir:
         if trl_mode is None:
             class Recorded(Trainer):

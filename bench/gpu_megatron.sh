@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Megatron with Transformer Engine on a CUDA machine (H100/H200): wheels in, TE's torch binding built, bench/gpu_megatron.py run.
 #
-# A CUDA machine as this was planned for (python3 3.12, torch 2.11 + CUDA 13, transformers, no network) lacks
-# megatron-core, Transformer Engine and pydantic. They come as staged files, at most 64 MiB per step: the TE
+# A CUDA machine with python3 3.12, torch 2.11 + CUDA 13 and transformers but no package index lacks
+# megatron-core, Transformer Engine and pydantic. They come as staged files, at most 64 MiB per copy: the TE
 # core wheel (transformer-engine-cu13 2.11.0, 171 MiB) in three parts, and TE's torch binding, which PyPI
 # ships only as source (transformer-engine-torch, 240 kB), compiled on the machine against its torch.
 # TE 2.11 is the newest inside megatron-core 0.16's tested range (>= 2.9, < 2.12).
@@ -26,9 +26,9 @@ set -euo pipefail
 TE_VERSION=2.11.0
 MCORE_VERSION=0.16.1
 TE_WHEEL="transformer_engine_cu13-${TE_VERSION}-py3-none-manylinux_2_28_x86_64.whl"
-DEVICE_STAGE=/tmp/twinkle-gpu-stage   # kept on the warm machine between calls
+DEVICE_STAGE=/tmp/twinkle-gpu-stage   # kept on the GPU machine between the receive and run steps
 SITE=/tmp/twinkle-site
-PART_BYTES=$((60 * 1024 * 1024))      # a call carries at most 64 MiB with the working tree
+PART_BYTES=$((60 * 1024 * 1024))      # each part fits a 64 MiB copy along with the working tree
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
@@ -69,7 +69,7 @@ receive() {
 install_wheels() (  # a subshell: its directory changes stay inside; each step says when it fails
   mkdir -p "$DEVICE_STAGE" && cp .gpu-stage/3/* "$DEVICE_STAGE/" && cd "$DEVICE_STAGE" || exit 1
   for part in te.part-0 te.part-1 te.part-2; do
-    [ -f "$part" ] || { echo "missing $part: the machine went cold between calls; repeat from 'receive 1'"; exit 1; }
+    [ -f "$part" ] || { echo "missing $part: the stage in /tmp was lost between steps; repeat from 'receive 1'"; exit 1; }
   done
   cat te.part-0 te.part-1 te.part-2 > "$TE_WHEEL" && sha256sum -c te.sha256 || exit 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" ./*.whl \

@@ -296,7 +296,7 @@ def run_local(args, batches: list[list[dict]]) -> dict:
         for rows in mine:
             start = time.perf_counter()
             batch = collate_padding_free(rows) if model.padding_free else collate(rows, pad_token_id=pad)
-            losses.append(model.forward_backward(batch))
+            losses.append(float(model.forward_backward(batch)))
             model.clip_grad_and_step(max_grad_norm=None)
             seconds += time.perf_counter() - start
         model.close()

@@ -108,7 +108,7 @@ def run_ours(model_dir: str, training: str, data: list[dict]) -> tuple[list[floa
     seconds, losses = [], []
     for batch in data:
         start = time.perf_counter()
-        losses.append(model.forward_backward(batch))
+        losses.append(float(model.forward_backward(batch)))
         model.clip_grad_and_step(max_grad_norm=1.0)
         sync()
         seconds.append(time.perf_counter() - start)

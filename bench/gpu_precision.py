@@ -42,7 +42,7 @@ def run(model_dir: str, precision: str, batches: list[dict], warmup: int, compil
         if i == warmup:
             torch.cuda.synchronize()
             start = time.perf_counter()
-        losses.append(model.forward_backward(inputs=batch))
+        losses.append(float(model.forward_backward(inputs=batch)))
         model.clip_grad_and_step(max_grad_norm=1.0)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start

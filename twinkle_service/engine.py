@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from tinker.types.topk_logprobs import MASK_LOGPROB  # the SDK's "no token here"
 
 from twinkle_core.atomic import atomic_dir
-from twinkle_core.data import collate_padding_free
+from twinkle_core.data.collate import PaddingFreeRow
 from twinkle_core.data.device_batch import to_device
 from twinkle_core.models.attention import padding_free_forward
 from twinkle_core.errors import UserError
@@ -349,20 +349,16 @@ class TinkerEngine:
     def _target_logprobs(self, data: list, groups: list[RowGroup]) -> list[torch.Tensor]:
         """Each row's log-probability of its target tokens (shaped like target_tokens), with autograd.
 
-        A model that takes padding-free batches runs the rows end to end in one row (positions restarting per
-        datum, each tenant's tokens one span of the router's token axis): no padding, whatever the rows'
-        lengths. Others run a right-padded batch."""
+        A model that takes padding-free batches runs the rows end to end in one row (`_padding_free_row`): no
+        padding, and a tenant's rows that open like its first one hold that prefix once. Others run a
+        right-padded batch."""
         device = self.model.device
         lengths = [len(d.tokens) for d in data]
         targets = [torch.as_tensor(d.inputs["target_tokens"], dtype=torch.long, device=device) for d in data]
         if self.model.padding_free:
-            inputs = collate_padding_free([{"input_ids": d.tokens.tolist(), "labels": d.tokens.tolist()}
-                                           for d in data], share_prefix=False)
-            inputs = to_device({k: v for k, v in inputs.items() if k != "labels"}, device)
-            bounds = inputs["cu_seq_lens_q"].tolist()
-            route = self.model.router.route([RowGroup(g.adapter, bounds[g.start], bounds[g.stop]) for g in groups],
-                                            axis=1)
-            real = None
+            inputs, spans, where = _padding_free_row(data, groups)
+            inputs = to_device(inputs, device)
+            route = self.model.router.route(spans, axis=1)
         else:
             length = max(lengths)
             input_ids = torch.zeros(len(data), length, dtype=torch.long)
@@ -371,21 +367,20 @@ class TinkerEngine:
                 input_ids[r, :len(d.tokens)] = torch.from_numpy(d.tokens)
                 mask[r, :len(d.tokens)] = 1
             inputs = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
-            route, real = self.model.router.route(groups), mask.to(device).bool()
+            route, where = self.model.router.route(groups), mask.flatten().nonzero()[:, 0]
+        where = where.to(device)  # each row's positions, in the [rows, length] states flattened
         base = unwrap(self.model.model)
         head = base.get_output_embeddings() if has_plain_head(base) else None
         with route, self.model.precision.autocast(device.type), padding_free_forward(inputs):
             if head is not None and fusable_head(head) and all(t.ndim == 1 for t in targets):
                 # The output layer a chunk of positions at a time: no [rows, length, vocab] logits (they made
                 # a 12-row mixed batch of a 49k vocabulary several times slower than its rows one by one).
-                hidden = backbone(base)(**inputs, use_cache=False).last_hidden_state
-                hidden = hidden[0] if real is None else hidden[real]
+                hidden = backbone(base)(**inputs, use_cache=False).last_hidden_state.flatten(0, 1)[where]
                 flat = linear_target_logprobs(hidden, head.weight, torch.cat(targets))
                 return list(flat.split(lengths))
-            logits = self.model.model(**inputs).logits
-        rows = logits[0].split(lengths) if real is None else [logits[r, :n] for r, n in enumerate(lengths)]
+            logits = self.model.model(**inputs).logits.flatten(0, 1)[where]
         out = []
-        for row, t in zip(rows, targets):
+        for row, t in zip(logits.split(lengths), targets):
             row = torch.log_softmax(row.float(), dim=-1)
             gathered = row.gather(-1, t if t.ndim == 2 else t[:, None])
             out.append(gathered if t.ndim == 2 else gathered[:, 0])
@@ -416,6 +411,39 @@ class TinkerEngine:
         config = self.model.model.config
         return {"arch": getattr(config, "model_type", None), "path": str(self.model.path)}
 
+
+
+def _padding_free_row(data: list, groups: list[RowGroup]) -> tuple[dict, list[RowGroup], torch.Tensor]:
+    """The rows (`data`, each tenant's rows together as `groups` says) end to end in one row: the batch, each
+    tenant's span of its tokens (for the router's token axis), and where each row's positions lie in it.
+
+    A row that opens with the same tokens as its tenant's first row continues that prefix (PaddingFreeRow): the
+    prefix runs through the layers once, and the row's positions there read the first row's states, which causal
+    attention makes equal to its own (a batch of one tenant's samples of one prompt holds the prompt once)."""
+    row, spans, where = PaddingFreeRow(), [], []
+    for group in groups:
+        first = row_begin = None
+        for r in range(group.start, group.stop):
+            tokens = data[r].tokens.tolist()
+            shared = 0 if first is None else min(_common_prefix(first, tokens), len(tokens) - 1)
+            begin = row.add({"input_ids": tokens, "labels": tokens}, (row_begin or 0, shared))
+            where.append(torch.cat([torch.arange(row_begin or 0, (row_begin or 0) + shared),
+                                    torch.arange(begin, begin + len(tokens) - shared)]))
+            if first is None:
+                first, row_begin = tokens, begin
+        spans.append(RowGroup(group.adapter, row_begin, len(row.input_ids)))
+    batch = row.batch()
+    del batch["labels"]
+    return batch, spans, torch.cat(where)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -618,9 +618,10 @@ def test_clients_in_parallel_threads_share_passes_and_each_trains_as_alone(servi
 
 def test_mixed_tenant_passes_are_padding_free_and_equal_padded_ones(tiny_model_dir):
     """The engine lays a mixed-tenant pass's rows end to end in one row (each tenant's tokens one span of the
-    router's token axis, no padding); its log-probabilities, losses and each tenant's gradients equal those of the
-    right-padded batch (fp32, 1e-5)."""
-    from twinkle_service.engine import TinkerEngine
+    router's token axis, no padding; a prefix a tenant's rows share held once); its log-probabilities, losses and
+    each tenant's gradients equal those of the right-padded batch (fp32, 1e-5)."""
+    from twinkle_core.models.lora_routing import RowGroup
+    from twinkle_service.engine import TinkerEngine, _padding_free_row
     from twinkle_service.wire import DatumIn, ForwardBackwardIn
 
     engine = TinkerEngine(str(tiny_model_dir), max_tenants=2, max_rank=8, mixed_precision="no")
@@ -643,7 +644,14 @@ def test_mixed_tenant_passes_are_padding_free_and_equal_padded_ones(tiny_model_d
             data.append(DatumIn(ids, inputs))
         return ForwardBackwardIn(name, 0, loss_fn, {}, data, False)
 
-    requests = [request("alice", [ROWS[0], ROWS[1]]), request("bob", [ROWS[2]], "ppo"), request("alice", [ROWS[1][:5]])]
+    # alice's third row opens with the 6 tokens of her first: the pass holds them once
+    requests = [request("alice", [ROWS[0], ROWS[1]]), request("bob", [ROWS[2]], "ppo"),
+                request("alice", [ROWS[0][:6] + [9, 10, 11]])]
+    data = [requests[i].data[j] for i, j in ((0, 0), (0, 1), (2, 0), (1, 0))]
+    batch, spans, _ = _padding_free_row(data, [RowGroup("alice", 0, 3), RowGroup("bob", 3, 4)])
+    assert batch["input_ids"].shape[1] == sum(len(d.tokens) for d in data) - 6
+    assert batch["prefix_spans"].tolist() == [[0, 0], [0, 0], [0, 6], [0, 0]]
+    assert [(g.adapter, g.start, g.stop) for g in spans] == [("alice", 0, 15), ("bob", 15, 25)]
     runs = {}
     for padding_free in (True, False):
         engine.model.padding_free = padding_free

@@ -108,7 +108,7 @@ def main() -> int:
                 result = {"set": name, **train(model_dir, batches, compile, args.precision)}
                 print(json.dumps(result), flush=True)
                 results.append(result)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+                (out / "results.json").write_text(json.dumps(results, indent=1))  # kept if a later run is cut off
     print("\n| set | layers | device | trained tok/s | median step s | first step s | last loss | micro-batch syncs |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:

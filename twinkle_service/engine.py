@@ -26,8 +26,7 @@ from tinker.types.topk_logprobs import MASK_LOGPROB  # the SDK's "no token here"
 
 from twinkle_core.atomic import atomic_dir
 from twinkle_core.data.collate import PaddingFreeRow
-from twinkle_core.data.device_batch import to_device
-from twinkle_core.models.attention import padding_free_forward
+from twinkle_core.data.device_batch import padding_free_forward, to_device
 from twinkle_core.errors import UserError
 from twinkle_core.models.lora_routing import BASE_ONLY, RowGroup
 from twinkle_core.models.tenants import adapter_of

@@ -6,6 +6,9 @@ the device (a read of a device value, `int(mask.sum())` or a boolean index, woul
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 # A padding-free batch's layout: the attention reads it on the host (twinkle_core.models.attention).
@@ -36,3 +39,24 @@ def host_of(batch: dict) -> dict[str, torch.Tensor] | None:
                         host["labels"].shape != batch["labels"].shape):
         return None
     return host
+
+
+# Set while a padding-free batch runs forward: its attention (twinkle_core.models.attention) keeps the samples
+# apart and needs no mask; Transformers' sdpa mask would first check on the device that its all-ones mask is all
+# ones.
+_PADDING_FREE = contextvars.ContextVar("twinkle_padding_free", default=False)
+
+
+@contextlib.contextmanager
+def padding_free_forward(inputs: dict):
+    """Around a model forward of `inputs`: when they are a padding-free batch (cu_seq_lens_q), no attention mask
+    is built."""
+    token = _PADDING_FREE.set("cu_seq_lens_q" in inputs)
+    try:
+        yield
+    finally:
+        _PADDING_FREE.reset(token)
+
+
+def in_padding_free_forward() -> bool:
+    return _PADDING_FREE.get()

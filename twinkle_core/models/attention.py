@@ -24,12 +24,12 @@ behave exactly as with `attn_implementation="sdpa"`.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
+
+from twinkle_core.data.device_batch import in_padding_free_forward
 
 ATTENTION_NAME = "twinkle_sdpa"
 _HALF = (torch.bfloat16, torch.float16)
@@ -177,26 +177,11 @@ def twinkle_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     return out.flatten(0, 1).index_select(0, layout.keep)[None], None
 
 
-# Set while a padding-free batch runs forward (padding_free_forward): its mask is None, its attention keeps the
-# samples apart. Transformers' sdpa mask would first check on the device that its all-ones mask is all ones.
-_PADDING_FREE = contextvars.ContextVar("twinkle_padding_free", default=False)
-
-
-@contextlib.contextmanager
-def padding_free_forward(inputs: dict):
-    """Around a model forward of `inputs`: when they are a padding-free batch (cu_seq_lens_q), no attention mask is
-    built (the sdpa mask would be None for it, after reading the all-ones mask back from the device)."""
-    token = _PADDING_FREE.set("cu_seq_lens_q" in inputs)
-    try:
-        yield
-    finally:
-        _PADDING_FREE.reset(token)
-
-
 def _mask(*args, **kwargs):
+    """Transformers' sdpa mask, except in a padding-free forward (padding_free_forward), which needs none."""
     from transformers.masking_utils import sdpa_mask
 
-    return None if _PADDING_FREE.get() else sdpa_mask(*args, **kwargs)
+    return None if in_padding_free_forward() else sdpa_mask(*args, **kwargs)
 
 
 def _register() -> None:

@@ -21,8 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from twinkle_core.data.device_batch import host_of
-from twinkle_core.models.attention import padding_free_forward
+from twinkle_core.data.device_batch import host_of, padding_free_forward
 from twinkle_core.objectives.linear_ce import fusable_head, linear_cross_entropy_sum
 from twinkle_core.objectives.router_balance import global_aux_loss_share
 

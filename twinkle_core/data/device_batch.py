@@ -24,12 +24,16 @@ class Batch(dict):
 def to_device(inputs: dict, device: torch.device) -> Batch:
     """`inputs` (tensors or lists) as a Batch on `device`; copies to a CUDA device are asynchronous (pinned memory)."""
     host = {k: torch.as_tensor(v) for k, v in inputs.items()}
-    cuda = device.type == "cuda"
-    batch = Batch({k: v if k in HOST_KEYS else
-                   v.pin_memory().to(device, non_blocking=True) if cuda and v.device.type == "cpu" else v.to(device)
-                   for k, v in host.items()})
+    batch = Batch({k: v if k in HOST_KEYS else to_device_async(v, device) for k, v in host.items()})
     batch.host = host
     return batch
+
+
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; from the host to a CUDA device through pinned memory, without waiting for the device."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def host_of(batch: dict) -> dict[str, torch.Tensor] | None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from twinkle_core.data.device_batch import in_padding_free_forward
+from twinkle_core.data.device_batch import in_padding_free_forward, to_device_async
 
 ATTENTION_NAME = "twinkle_sdpa"
 _HALF = (torch.bfloat16, torch.float16)
@@ -116,13 +116,6 @@ class _Layout:
 _LAYOUTS = WeakTensorKeyDictionary()
 
 
-def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """To `device` without waiting for it (pinned memory, asynchronous copy) when it is a CUDA device."""
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
 def _layout(cu_seq_lens_q: torch.Tensor, prefix_spans: torch.Tensor | None, device: torch.device) -> _Layout:
     """The batch's attention layout. The models keep `cu_seq_lens_q` and `prefix_spans` on the host
     (twinkle_core.models.batches.HOST_KEYS), so nothing here waits for the device; a caller that moved them
@@ -141,7 +134,7 @@ def _layout(cu_seq_lens_q: torch.Tensor, prefix_spans: torch.Tensor | None, devi
         layout = _Layout(spans, True)
     else:
         index, keep, samples, longest = _segments(bounds, prefixes)
-        layout = _Layout(spans, False, _to(index, device), _to(keep, device), samples, longest)
+        layout = _Layout(spans, False, to_device_async(index, device), to_device_async(keep, device), samples, longest)
     _LAYOUTS[cu_seq_lens_q] = (prefix_spans, device, layout)
     return layout
 

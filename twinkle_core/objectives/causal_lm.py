@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from twinkle_core.data.device_batch import host_of, padding_free_forward
+from twinkle_core.data.device_batch import host_of, padding_free_forward, to_device_async
 from twinkle_core.objectives.linear_ce import fusable_head, linear_cross_entropy_sum
 from twinkle_core.objectives.router_balance import global_aux_loss_share
 
@@ -131,9 +131,7 @@ def trained_positions(labels: torch.Tensor, device: torch.device) -> torch.Tenso
     host from the collated labels, they select on the device without waiting for it (a boolean mask would)."""
     rows, cols = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
     flat = rows * labels.shape[1] + cols
-    if device.type == "cuda" and flat.device.type == "cpu":
-        return flat.pin_memory().to(device, non_blocking=True)
-    return flat.to(device)
+    return to_device_async(flat, device)
 
 
 def at_trained(x: torch.Tensor, selected: torch.Tensor, positions: slice = slice(None, -1)) -> torch.Tensor:

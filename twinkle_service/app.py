@@ -56,6 +56,8 @@ class ServiceConfig:
     api_keys: frozenset[str] | None = None  # None: any key of the SDK's form, each its own namespace
     mixed_precision: str = "auto"
     nproc_per_node: int = 1  # worker processes holding the model (torchrun beyond one)
+    backend: str = "transformers"  # or "megatron" (megatron-core; the base split over tp_size ranks)
+    tp_size: int = 1
     state_dir: Path = Path("service-state")  # saved training states, per key (they outlive the server)
     tracking_uri: str | None = None  # each session an MLflow run there (None: no MLflow)
     base_path: str | None = None  # the base's local folder and content hash: a registered adapter names them
@@ -304,7 +306,7 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
     """The ASGI app; `runner` defaults to the engine in a worker tree of `config.nproc_per_node` processes."""
     runner = runner or EngineRunner(lambda: RemoteEngine(WorkerTree(
         config.model_id, config.max_tenants, config.max_lora_rank, config.max_length, config.mixed_precision,
-        config.nproc_per_node)))
+        config.nproc_per_node, backend=config.backend, tp_size=config.tp_size)))
     service = Service(config, runner)
 
     @contextlib.asynccontextmanager

@@ -1,40 +1,38 @@
 """The model side of the training service: one base model, one LoRA tenant per Tinker training model.
 
-It is driven by plain-data calls (`create`, `remove`, `forward_backward`, `optim_step`), so that the HTTP
-side can run it in its own process. Tinker's semantics, not the flows': a forward_backward adds the
-gradient of the *summed* loss to the tenant's gradients, which accumulate until its optim_step, whose
-Adam settings come with each step.
+It is driven by plain-data calls (`create`, `remove`, `forward_backward`, `optim_step`, `sample`, states),
+so that the HTTP side can run it in its own process tree. Tinker's semantics, not the flows': a
+forward_backward adds the gradient of the *summed* loss to the tenant's gradients, which accumulate until
+its optim_step, whose Adam settings come with each step.
 
-Several tenants' forward_backward requests run as one padded batch through `MultiLoraTransformersModel`
-(each row routed to its tenant's adapter) and one backward; a tenant's gradient is that of its own rows
-only, so its result does not depend on who else was in the batch.
+`TinkerEngine` holds those semantics once (checks, the rows of waiting requests shared out over the
+data-parallel ranks, Tinker's losses and backward, AdamW steps, checkpoints, samplers, sampling's
+bookkeeping); a backend gives it a multi-tenant model and a few primitives:
+- transformers_engine.py: `MultiLoraTransformersModel`, padding-free mixed-tenant passes;
+- megatron_engine.py: `MultiLoraMegatronModel`, the base split over tensor-parallel ranks.
+Several tenants' forward_backward requests run as one batch and one backward, each row through its
+tenant's adapter; a tenant's gradient is that of its own rows only, so its result does not depend on who
+else was in the batch.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 from dataclasses import dataclass
-
 from pathlib import Path
 
 import numpy as np
 import torch
-from peft import LoraConfig, set_peft_model_state_dict
-from safetensors.torch import load_file
+from peft import LoraConfig
 from tinker.types.topk_logprobs import MASK_LOGPROB  # the SDK's "no token here"
 
 from twinkle_core.atomic import atomic_dir
-from twinkle_core.data.collate import PaddingFreeRow
-from twinkle_core.data.device_batch import padding_free_forward, to_device
 from twinkle_core.errors import UserError
 from twinkle_core.models.lora_routing import BASE_ONLY, RowGroup
-from twinkle_core.models.tenants import adapter_of
-from twinkle_core.models.multi_lora import MultiLoraTransformersModel
-from twinkle_core.objectives.causal_lm import backbone, has_plain_head, unwrap
-from twinkle_core.objectives.linear_ce import fusable_head, linear_target_logprobs
 from twinkle_core.models.state_dirs import MANIFEST_FILE, damage, write_manifest
-from twinkle_core.rl.sampler import PolicySampler, SamplingSettings
+from twinkle_core.rl.sampler import SamplingSettings
 from twinkle_service.losses import check_inputs, loss_sum
 from twinkle_service.wire import MAX_TOPK, ForwardBackwardIn
 
@@ -44,6 +42,7 @@ Sampled = tuple[list[int], list[float], str, "tuple[np.ndarray, np.ndarray] | No
 Scores = tuple["np.ndarray | None", "tuple[np.ndarray, np.ndarray] | None"]
 LORA_ALPHA = 32  # Tinker's LoRA scale is alpha/rank with a fixed alpha
 OPTIMIZER_FILE = "optimizer.pt"
+OPTIMIZER_LAYOUT = "optimizer.json"  # which backend and split wrote the optimizer state
 
 
 @dataclass
@@ -55,14 +54,67 @@ class Outcome:
 
 
 class TinkerEngine:
-    def __init__(self, model_id: str, max_tenants: int = 8, max_rank: int = 64, max_length: int = 4096,
-                 mixed_precision: str = "auto"):
-        self.model = MultiLoraTransformersModel(model_id, mixed_precision, max_loras=max_tenants, max_r=max_rank)
-        self.model.model.eval()  # no dropout: a forward is a function of the weights and the tokens
+    """Tinker's semantics over a multi-tenant LoRA model (`self.model`: slots, router, tokenizer, the tenant verbs).
+
+    A backend sets `model`, `max_length`, `vocab_size` and `device`, and gives: `_add_adapter`, `_read_adapter`,
+    `_target_logprobs` (with autograd), `_sample_tokens`, `_score`, `_data_parallel` and `_optimizer_layout`."""
+
+    model: object
+    max_length: int
+    vocab_size: int
+    device: torch.device
+
+    def _init_engine(self, max_length: int) -> None:
         self.max_length = max_length
-        self.vocab_size = int(self.model.model.get_input_embeddings().weight.shape[0])
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
-        self.samplers: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}  # id: (tenant, its adapter weights then)
+        self.samplers: dict[str, tuple[str, list[torch.Tensor]]] = {}  # id: (tenant, its adapter weights then)
+
+    # ----- the backend's primitives -----------------------------------------------------------------
+    def _add_adapter(self, name: str, config: LoraConfig, seed: int) -> None:
+        """Put a new tenant adapter on the model, its initial weights a function of `seed` only."""
+        raise NotImplementedError
+
+    def _read_adapter(self, name: str, source: Path) -> None:
+        """Give tenant `name` the weights of the PEFT adapter folder `source` (same rank)."""
+        raise NotImplementedError
+
+    def _target_logprobs(self, data: list, groups: list[RowGroup]) -> list[torch.Tensor]:
+        """Each row's log-probability of its target tokens (shaped like target_tokens), with autograd; the rows
+        of a group go through its adapter."""
+        raise NotImplementedError
+
+    def _sample_tokens(self, prompt: list[int], num_samples: int, settings: SamplingSettings, seed: int,
+                       eos: list[int]) -> list[list[int]]:
+        """`num_samples` completions of `prompt` through the routed adapter (each ends at an eos token or at
+        max_new_tokens)."""
+        raise NotImplementedError
+
+    def _score(self, tokens: list[int], k: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For every position of one sequence: log p(token i+1 | tokens up to i), and the `k` most likely next
+        tokens with their log-probabilities (most likely first)."""
+        raise NotImplementedError
+
+    def _data_parallel(self) -> tuple[int, int]:
+        """(this rank's index, count) among the ranks that take different rows."""
+        return _rank_and_world()
+
+    def _optimizer_layout(self) -> dict:
+        """What a saved optimizer state depends on besides the adapter (a state loads only where it matches)."""
+        raise NotImplementedError
+
+    def _optimizer_file(self) -> str | None:
+        """Where this rank writes its optimizer state in a saved state (None: another rank writes it)."""
+        return OPTIMIZER_FILE if _rank_and_world()[0] == 0 else None
+
+    def _sum_and_clip(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        """Sum the ranks' gradients of `params` (each holds its rows' part), clip them to `max_norm`; the norm."""
+        _sum_gradients_over_ranks(params)
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def _write_adapter(self, name: str, folder: Path) -> None:
+        """Write tenant `name`'s adapter as a PEFT folder `folder/adapter` (every rank calls this)."""
+        if _rank_and_world()[0] == 0:  # the ranks hold the same adapter
+            self.model.save("adapter", folder, adapter_name=name)
 
     # ----- tenants ---------------------------------------------------------------------------------
     def create(self, name: str, rank: int, seed: int | None = None, train_attn: bool = True,
@@ -78,11 +130,7 @@ class TinkerEngine:
         # The adapter's initial weights depend on its seed only, never on the tenants created before it.
         if seed is None:
             seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            config = LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0)
-            self.model.add_adapter_to_model(name, config)
-        self.model.model.eval()
+        self._add_adapter(name, LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0), seed)
         self.optimizers[name] = torch.optim.AdamW(self.model.tenant_parameters(name), lr=1e-4)
 
     def remove(self, name: str) -> None:
@@ -92,23 +140,22 @@ class TinkerEngine:
         for sampler_id in [k for k, (tenant, _) in self.samplers.items() if tenant == name]:
             del self.samplers[sampler_id]
 
+    def _known(self, name: str) -> None:
+        if name not in self.optimizers:
+            raise UserError(f"model {name!r} is not on this server")
+
     # ----- checkpoints -----------------------------------------------------------------------------
     def save_state(self, name: str, directory: str) -> None:
         """`directory`: tenant `name`'s adapter as a plain PEFT folder (it loads on the HF base with
-        PeftModel.from_pretrained) and its AdamW state (optimizer.pt). Rank 0 writes; the ranks hold the same."""
-        if name not in self.optimizers:
-            raise UserError(f"model {name!r} is not on this server")
-        rank, world = _rank_and_world()
-        if rank == 0:
-            target = Path(directory)
-            with atomic_dir(target) as tmp:  # the checksummed layout of the flows' training states
-                self.model.save("adapter", tmp, adapter_name=name)
-                torch.save(self.optimizers[name].state_dict(), tmp / OPTIMIZER_FILE)
-                write_manifest(tmp)
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
+        PeftModel.from_pretrained) and its AdamW state, in the checksummed layout of the flows' training states."""
+        self._known(name)
+        with _shared_atomic_dir(Path(directory)) as tmp:
+            self._write_adapter(name, tmp)
+            file = self._optimizer_file()
+            if file is not None:
+                torch.save(self.optimizers[name].state_dict(), tmp / file)
+            if _rank_and_world()[0] == 0:
+                (tmp / OPTIMIZER_LAYOUT).write_text(json.dumps(self._optimizer_layout()))
 
     def create_from_state(self, name: str, directory: str, optimizer: bool) -> None:
         """A new training model with the saved state's rank, weights and (with `optimizer`) AdamW state."""
@@ -123,8 +170,7 @@ class TinkerEngine:
     def load_state(self, name: str, directory: str, optimizer: bool) -> None:
         """Tenant `name` takes the saved adapter weights; with `optimizer`, the saved AdamW state too, else a
         fresh one. Its gradients are cleared."""
-        if name not in self.optimizers:
-            raise UserError(f"model {name!r} is not on this server")
+        self._known(name)
         source = Path(directory)
         problem = damage(source) if (source / MANIFEST_FILE).is_file() else f"{MANIFEST_FILE} is missing"
         if problem:
@@ -134,38 +180,32 @@ class TinkerEngine:
         if config.r != own.r:
             raise UserError(f"the saved state has LoRA rank {config.r}, this training model {own.r}; create the "
                             "training model from the state instead (create_training_client_from_state)")
-        weights = load_file(str(source / "adapter" / "adapter_model.safetensors"))
-        result = set_peft_model_state_dict(self.model.model, weights, adapter_name=name)
-        missing = [k for k in result.missing_keys if adapter_of(k) == name]
-        if missing:
-            raise UserError(f"the saved state lacks {len(missing)} of this model's adapter weights (e.g. {missing[0]})")
-        self.optimizers[name] = torch.optim.AdamW(self.model.tenant_parameters(name), lr=1e-4)
+        file = None
         if optimizer:
-            self.optimizers[name].load_state_dict(torch.load(source / OPTIMIZER_FILE, weights_only=True))
+            layout = source / OPTIMIZER_LAYOUT
+            saved = json.loads(layout.read_text()) if layout.is_file() else {"backend": "transformers"}
+            if saved != self._optimizer_layout():
+                raise UserError(f"the saved optimizer state was written by {saved}, this server is "
+                                f"{self._optimizer_layout()}; load the weights only (load_state without optimizer)")
+            file = self._optimizer_file() or OPTIMIZER_FILE
+        self._read_adapter(name, source / "adapter")
+        self.optimizers[name] = torch.optim.AdamW(self.model.tenant_parameters(name), lr=1e-4)
+        if file is not None:
+            self.optimizers[name].load_state_dict(torch.load(source / file, weights_only=True))
         self.optimizers[name].zero_grad(set_to_none=True)
 
     # ----- sampling ----------------------------------------------------------------------------------
     def save_sampler(self, name: str, sampler_id: str, directory: str | None = None) -> None:
         """Keep tenant `name`'s adapter weights as they are now, for sampling under `sampler_id`; with
         `directory`, also as a PEFT adapter folder there (checksummed), which MLflow can register."""
-        if name not in self.optimizers:
-            raise UserError(f"model {name!r} is not on this server")
-        self.samplers[sampler_id] = (name, {n: p.detach().clone() for n, p in self._named_weights(name)})
-        rank, world = _rank_and_world()
-        if directory is not None and rank == 0:
-            with atomic_dir(Path(directory)) as tmp:
-                self.model.save("adapter", tmp, adapter_name=name)
-                write_manifest(tmp)
-        if directory is not None and world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
+        self._known(name)
+        self.samplers[sampler_id] = (name, [p.detach().clone() for p in self.model.tenant_parameters(name)])
+        if directory is not None:
+            with _shared_atomic_dir(Path(directory)) as tmp:
+                self._write_adapter(name, tmp)
 
     def drop_sampler(self, sampler_id: str) -> None:
         self.samplers.pop(sampler_id, None)
-
-    def _named_weights(self, name: str) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, p) for n, p in self.model.model.named_parameters() if adapter_of(n) == name]
 
     @contextlib.contextmanager
     def _sampler_weights(self, sampler_id: str | None):
@@ -177,17 +217,17 @@ class TinkerEngine:
         if sampler_id not in self.samplers:
             raise UserError("this sampler's weights were released (its training model's session ended)")
         tenant, saved = self.samplers[sampler_id]
-        current = dict(self._named_weights(tenant))
-        kept = {n: p.detach().clone() for n, p in current.items()}
+        current = self.model.tenant_parameters(tenant)
+        kept = [p.detach().clone() for p in current]
         with torch.no_grad():
-            for n, p in current.items():
-                p.copy_(saved[n])
+            for p, value in zip(current, saved):
+                p.copy_(value)
         try:
             yield tenant
         finally:
             with torch.no_grad():
-                for n, p in current.items():
-                    p.copy_(kept[n])
+                for p, value in zip(current, kept):
+                    p.copy_(value)
 
     @torch.no_grad()
     def sample(self, sampler_id: str | None, prompt: list[int], num_samples: int, max_tokens: int,
@@ -214,14 +254,12 @@ class TinkerEngine:
                             "positions after the first)")
         tokenizer = self.model.tokenizer
         eos = [tokenizer.eos_token_id] if stop_tokens is None else list(stop_tokens)
+        eos = [t for t in eos if t is not None]
         settings = SamplingSettings(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                     top_k=max(0, top_k))
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         k = max(topk_prompt, topk_sample)
         with self._sampler_weights(sampler_id) as adapter, self.model.router.route([RowGroup(adapter)]):
-            sampler = PolicySampler(self.model.model, pad, [t for t in eos if t is not None], self.model.device,
-                                    lambda: self.model.precision.autocast(self.model.device.type))
-            completions = sampler.sample([prompt], num_samples, settings, seed if seed is not None else 0)
+            completions = self._sample_tokens(prompt, num_samples, settings, seed if seed is not None else 0, eos)
             scored = [self._score(prompt + c, k) for c in completions]
         sequences = []
         for completion, (logprobs, top_ids, top_logprobs) in zip(completions, scored):
@@ -248,19 +286,6 @@ class TinkerEngine:
             top = (ids, lps)
         return sequences, (values if prompt_logprobs else None, top)
 
-    def _score(self, tokens: list[int], k: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For every position of one sequence: log p(token i+1 | tokens up to i), and the `k` most likely next
-        tokens with their log-probabilities (most likely first)."""
-        ids = torch.tensor([tokens], device=self.model.device)
-        with self.model.precision.autocast(self.model.device.type):
-            logits = self.model.model(input_ids=ids).logits[0, :-1].float()
-        log_probs = torch.log_softmax(logits, -1)
-        chosen = log_probs.gather(-1, ids[0, 1:, None])[:, 0].cpu().numpy()
-        top = log_probs.topk(k, dim=-1) if k else None
-        empty = np.zeros((len(tokens) - 1, 0))
-        return (chosen, top.indices.int().cpu().numpy() if k else empty.astype(np.int32),
-                top.values.cpu().numpy() if k else empty.astype(np.float32))
-
     # ----- training --------------------------------------------------------------------------------
     def check(self, request: ForwardBackwardIn) -> None:
         """Raise a UserError for a request that cannot run; nothing about the model changes."""
@@ -285,8 +310,8 @@ class TinkerEngine:
     def forward_backward(self, requests: list[ForwardBackwardIn]) -> list[Outcome]:
         """Run every request that passes `check` in one batch; each gets its outputs and loss, or its error.
 
-        Under several processes every rank runs its share of the rows (every world-th row, so each tenant's
-        rows stay contiguous), gradients stay per rank until `optim_step` sums them, and the rows' results
+        Under several processes every data-parallel rank runs its share of the rows (every n-th row, so each
+        tenant's rows stay contiguous), gradients stay per rank until `optim_step` sums them, and the rows' results
         are gathered on every rank."""
         outcomes: list[Outcome] = [Outcome() for _ in requests]
         runnable = []
@@ -302,11 +327,12 @@ class TinkerEngine:
         order = {name: k for k, name in enumerate(self.model.slots.names())}
         runnable.sort(key=lambda i: order[requests[i].model_id])
         rows = [(i, j) for i in runnable for j in range(len(requests[i].data))]
-        rank, world = _rank_and_world()
-        mine = list(range(rank, len(rows), world))
+        share, shares = self._data_parallel()
+        mine = list(range(share, len(rows), shares))
         local = self._run_rows(requests, [rows[r] for r in mine]) if mine else []
         results = dict(zip(mine, local))
-        if world > 1:
+        if _rank_and_world()[1] > 1:  # (tensor-parallel peers hold the same results)
+            world = _rank_and_world()[1]
             import torch.distributed as dist
 
             gathered: list = [None] * world
@@ -345,51 +371,10 @@ class TinkerEngine:
             total.backward()
         return out
 
-    def _target_logprobs(self, data: list, groups: list[RowGroup]) -> list[torch.Tensor]:
-        """Each row's log-probability of its target tokens (shaped like target_tokens), with autograd.
-
-        A model that takes padding-free batches runs the rows end to end in one row (`_padding_free_row`): no
-        padding, and a tenant's rows that open like its first one hold that prefix once. Others run a
-        right-padded batch."""
-        device = self.model.device
-        lengths = [len(d.tokens) for d in data]
-        targets = [torch.as_tensor(d.inputs["target_tokens"], dtype=torch.long, device=device) for d in data]
-        if self.model.padding_free:
-            inputs, spans, where = _padding_free_row(data, groups)
-            inputs = to_device(inputs, device)
-            route = self.model.router.route(spans, axis=1)
-        else:
-            length = max(lengths)
-            input_ids = torch.zeros(len(data), length, dtype=torch.long)
-            mask = torch.zeros(len(data), length, dtype=torch.long)
-            for r, d in enumerate(data):
-                input_ids[r, :len(d.tokens)] = torch.from_numpy(d.tokens)
-                mask[r, :len(d.tokens)] = 1
-            inputs = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
-            route, where = self.model.router.route(groups), mask.flatten().nonzero()[:, 0]
-        where = where.to(device)  # each row's positions, in the [rows, length] states flattened
-        base = unwrap(self.model.model)
-        head = base.get_output_embeddings() if has_plain_head(base) else None
-        with route, self.model.precision.autocast(device.type), padding_free_forward(inputs):
-            if head is not None and fusable_head(head) and all(t.ndim == 1 for t in targets):
-                # The output layer a chunk of positions at a time: no [rows, length, vocab] logits (they made
-                # a 12-row mixed batch of a 49k vocabulary several times slower than its rows one by one).
-                hidden = backbone(base)(**inputs, use_cache=False).last_hidden_state.flatten(0, 1)[where]
-                flat = linear_target_logprobs(hidden, head.weight, torch.cat(targets))
-                return list(flat.split(lengths))
-            logits = self.model.model(**inputs).logits.flatten(0, 1)[where]
-        out = []
-        for row, t in zip(logits.split(lengths), targets):
-            row = torch.log_softmax(row.float(), dim=-1)
-            gathered = row.gather(-1, t if t.ndim == 2 else t[:, None])
-            out.append(gathered if t.ndim == 2 else gathered[:, 0])
-        return out
-
     def optim_step(self, name: str, learning_rate: float, beta1: float, beta2: float, eps: float,
                    weight_decay: float, grad_clip_norm: float = 0.0) -> dict[str, float]:
         """One AdamW step of tenant `name` over its accumulated gradients, which it then clears."""
-        if name not in self.optimizers:
-            raise UserError(f"model {name!r} is not on this server")
+        self._known(name)
         for value, what in ((learning_rate, "learning_rate"), (eps, "eps"), (weight_decay, "weight_decay")):
             if not math.isfinite(value) or value < 0:
                 raise UserError(f"adam_params.{what}={value} must be a finite number >= 0")
@@ -397,52 +382,37 @@ class TinkerEngine:
             raise UserError(f"adam_params beta1={beta1}, beta2={beta2} must be in [0, 1)")
         optimizer = self.optimizers[name]
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        _sum_gradients_over_ranks(params)
-        # The norm before clipping, computed once (an infinite bound clips nothing); 0 when no weight has a gradient.
-        norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip_norm if grad_clip_norm > 0 else math.inf))
+        # The norm before clipping, computed once (an infinite bound clips nothing); 0 when no weight has a
+        # gradient on any rank (no rows since the last step: Adam then skips the weights, as alone).
+        norm = self._sum_and_clip(params, grad_clip_norm if grad_clip_norm > 0 else math.inf) \
+            if _gradients_anywhere(params) else 0.0
         for group in optimizer.param_groups:
             group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return {"grad_norm:mean": norm}
 
-    def info(self) -> dict:
-        config = self.model.model.config
-        return {"arch": getattr(config, "model_type", None), "path": str(self.model.path)}
 
+@contextlib.contextmanager
+def _shared_atomic_dir(final: Path):
+    """`atomic_dir` that every rank enters: rank 0 makes the folder, every rank may write into it, and it
+    appears under its final name, checksummed (write_manifest), once all have written."""
+    rank, world = _rank_and_world()
+    box = [None]
+    with atomic_dir(final) if rank == 0 else contextlib.nullcontext() as tmp:
+        box[0] = str(tmp) if rank == 0 else None
+        if world > 1:
+            import torch.distributed as dist
 
+            dist.broadcast_object_list(box, src=0)
+        yield Path(box[0])
+        if world > 1:
+            dist.barrier()  # every rank has written
+        if rank == 0:
+            write_manifest(Path(box[0]))
+    if world > 1:
+        dist.barrier()  # the folder has its final name before any rank answers
 
-def _padding_free_row(data: list, groups: list[RowGroup]) -> tuple[dict, list[RowGroup], torch.Tensor]:
-    """The rows (`data`, each tenant's rows together as `groups` says) end to end in one row: the batch, each
-    tenant's span of its tokens (for the router's token axis), and where each row's positions lie in it.
-
-    A row that opens with the same tokens as its tenant's first row continues that prefix (PaddingFreeRow): the
-    prefix runs through the layers once, and the row's positions there read the first row's states, which causal
-    attention makes equal to its own (a batch of one tenant's samples of one prompt holds the prompt once)."""
-    row, spans, where = PaddingFreeRow(), [], []
-    for group in groups:
-        first = row_begin = None
-        for r in range(group.start, group.stop):
-            tokens = data[r].tokens.tolist()
-            shared = 0 if first is None else min(_common_prefix(first, tokens), len(tokens) - 1)
-            begin = row.add({"input_ids": tokens, "labels": tokens}, (row_begin or 0, shared))
-            where.append(torch.cat([torch.arange(row_begin or 0, (row_begin or 0) + shared),
-                                    torch.arange(begin, begin + len(tokens) - shared)]))
-            if first is None:
-                first, row_begin = tokens, begin
-        spans.append(RowGroup(group.adapter, row_begin, len(row.input_ids)))
-    batch = row.batch()
-    del batch["labels"]
-    return batch, spans, torch.cat(where)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -453,6 +423,15 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _gradients_anywhere(params: list[torch.nn.Parameter]) -> bool:
+    has = torch.tensor([float(any(p.grad is not None for p in params))])
+    if _rank_and_world()[1] > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(has)
+    return bool(has.item())
+
+
 def _sum_gradients_over_ranks(params: list[torch.nn.Parameter]) -> None:
     """Each rank holds the gradient of its own rows: their sum is the whole batch's (the losses are sums)."""
     rank, world = _rank_and_world()
@@ -460,10 +439,6 @@ def _sum_gradients_over_ranks(params: list[torch.nn.Parameter]) -> None:
         return
     import torch.distributed as dist
 
-    has = torch.tensor([float(any(p.grad is not None for p in params))])
-    dist.all_reduce(has)
-    if not has.item():  # no rows anywhere since the last step: Adam skips gradient-less weights, as alone
-        return
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)

@@ -48,12 +48,14 @@ class RemoteEngine:
 
 class WorkerTree:
     def __init__(self, model_id: str, max_tenants: int, max_rank: int, max_length: int, mixed_precision: str,
-                 nproc_per_node: int = 1, start_timeout_s: float = 600.0):
+                 nproc_per_node: int = 1, start_timeout_s: float = 600.0, backend: str = "transformers",
+                 tp_size: int = 1):
         authkey = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         host, port = self._listener.address
         args = ["--model-id", model_id, "--max-tenants", str(max_tenants), "--max-rank", str(max_rank),
-                "--max-length", str(max_length), "--mixed-precision", mixed_precision, "--connect", f"{host}:{port}"]
+                "--max-length", str(max_length), "--mixed-precision", mixed_precision, "--connect", f"{host}:{port}",
+                "--backend", backend, "--tp-size", str(tp_size)]
         module = "twinkle_service.worker"
         cmd = torchrun_command(module, args, nproc_per_node) if nproc_per_node > 1 else \
             [sys.executable, "-m", module, *args]
@@ -144,6 +146,17 @@ def _serve(engine, conn, world: int) -> None:
             conn.send(reply)
 
 
+def _engine(args):
+    if args.backend == "megatron":
+        from twinkle_service.megatron_engine import MegatronEngine
+
+        return MegatronEngine(args.model_id, args.max_tenants, args.max_rank, args.max_length, args.mixed_precision,
+                              tp_size=args.tp_size)
+    from twinkle_service.transformers_engine import TransformersEngine
+
+    return TransformersEngine(args.model_id, args.max_tenants, args.max_rank, args.max_length, args.mixed_precision)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-id", required=True)
@@ -151,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-rank", type=int, required=True)
     parser.add_argument("--max-length", type=int, required=True)
     parser.add_argument("--mixed-precision", default="auto")
+    parser.add_argument("--backend", choices=("transformers", "megatron"), default="transformers")
+    parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--connect", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -165,9 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         host, port = args.connect.rsplit(":", 1)
         conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
     try:
-        from twinkle_service.engine import TinkerEngine
-
-        engine = TinkerEngine(args.model_id, args.max_tenants, args.max_rank, args.max_length, args.mixed_precision)
+        engine = _engine(args)
     except Exception as exc:
         if conn is not None:
             conn.send(("failed", f"{type(exc).__name__}: {exc}"))

@@ -621,10 +621,10 @@ def test_mixed_tenant_passes_are_padding_free_and_equal_padded_ones(tiny_model_d
     router's token axis, no padding; a prefix a tenant's rows share held once); its log-probabilities, losses and
     each tenant's gradients equal those of the right-padded batch (fp32, 1e-5)."""
     from twinkle_core.models.lora_routing import RowGroup
-    from twinkle_service.engine import TinkerEngine, _padding_free_row
+    from twinkle_service.transformers_engine import TransformersEngine, _padding_free_row
     from twinkle_service.wire import DatumIn, ForwardBackwardIn
 
-    engine = TinkerEngine(str(tiny_model_dir), max_tenants=2, max_rank=8, mixed_precision="no")
+    engine = TransformersEngine(str(tiny_model_dir), max_tenants=2, max_rank=8, mixed_precision="no")
     assert engine.model.padding_free
     engine.create("alice", 4, seed=1)
     engine.create("bob", 8, seed=2)

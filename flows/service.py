@@ -3,6 +3,7 @@
     python -m flows.service                                          # the default model on 127.0.0.1:8000
     python -m flows.service --model-id hf://Qwen/Qwen2.5-0.5B-Instruct --max-tenants 16 --port 8080
     python -m flows.service --nproc-per-node 2                       # the model in 2 worker processes
+    python -m flows.service --backend megatron --nproc-per-node 2 --tp-size 2    # the base split over 2 ranks
 
 A client (another shell, another machine):
 
@@ -34,8 +35,9 @@ from twinkle_core.errors import UserError
 
 WHERE = ("It sits beside the flows, above twinkle_core: this process serves HTTP (twinkle_service) and holds no "
          "model; the model lives in a worker tree started like the flows' training (torchrun with --nproc-per-node "
-         "> 1); each session is an MLflow run. Clients: the tinker SDK with TINKER_BASE_URL and TINKER_API_KEY=tml-...; "
-         "README section 'Training as a service (Tinker API)'.")
+         "> 1; --backend megatron --tp-size N splits the base over N workers); each session is an MLflow run. "
+         "Clients: the tinker SDK with TINKER_BASE_URL and TINKER_API_KEY=tml-...; README section 'Training as a "
+         "service (Tinker API)'.")
 
 
 class ServiceOptions(BaseModel):
@@ -45,14 +47,18 @@ class ServiceOptions(BaseModel):
     model_name: str | None = Field(None, description="The name clients pass as base_model (None: the model id).")
     tokenizer_id: str | None = Field(None, description="What get_tokenizer() loads on the client (None: the "
                                                        "model's local folder).")
-    backend: Literal["transformers", "megatron"] = Field("transformers", description="transformers (megatron: "
-                                                                                      "not wired to the service yet).")
+    backend: Literal["transformers", "megatron"] = Field("transformers", description="transformers (each worker "
+                                                         "holds the whole model) or megatron (megatron-core: "
+                                                         "--tp-size splits the base over that many workers).")
     max_tenants: int = Field(8, ge=1, description="Training models held at once.")
     max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank a client may ask for.")
     max_length: int = Field(4096, ge=2, description="Longest datum (or prompt + max_tokens), in tokens.")
     max_request_mb: int = Field(64, ge=1, description="Largest request body, in MB.")
     precision: Literal["auto", "bf16", "fp16", "no"] = Field("auto", description="Mixed precision of the model.")
-    nproc_per_node: int = Field(1, ge=1, description="Worker processes holding the model (torchrun beyond 1).")
+    nproc_per_node: int = Field(1, ge=1, description="Worker processes holding the model (torchrun beyond 1); "
+                                                     "those tp_size leaves share each pass's rows.")
+    tp_size: int = Field(1, ge=1, description="Tensor parallelism (backend megatron): each worker holds 1/tp_size "
+                                              "of every layer.")
     state_dir: Path = Field(Path("service-state"), description="Where save_state writes, per API key; states "
                                                               "outlive the server.")
     api_keys_file: Path | None = Field(None, description="Allowed API keys, one per line (None: any tml-... key).")
@@ -61,10 +67,15 @@ class ServiceOptions(BaseModel):
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
 
     @model_validator(mode="after")
-    def _backend(self) -> "ServiceOptions":
-        if self.backend == "megatron":
-            raise ValueError("backend megatron: the service runs on the transformers backend for now "
-                             "(MultiLoraMegatronModel is not wired to it yet)")
+    def _layout(self) -> "ServiceOptions":
+        if self.tp_size > 1 and self.backend != "megatron":
+            raise ValueError(f"tp_size={self.tp_size}: tensor parallelism splits the base on backend megatron; "
+                             "the transformers backend replicates the model on every worker (use --backend megatron)")
+        if self.nproc_per_node % self.tp_size:
+            raise ValueError(f"nproc_per_node={self.nproc_per_node} is not a multiple of tp_size={self.tp_size}")
+        if self.backend == "megatron" and self.precision == "fp16":
+            raise ValueError("precision fp16 is not supported on backend megatron (multi-tenant LoRA would need a "
+                             "loss scaler per tenant in one backward); use bf16 or no")
         return self
 
 
@@ -97,6 +108,7 @@ def serve(options: ServiceOptions) -> None:
                            max_tenants=options.max_tenants, max_lora_rank=options.max_lora_rank,
                            max_length=options.max_length, max_request_bytes=options.max_request_mb << 20,
                            api_keys=keys, mixed_precision=options.precision, nproc_per_node=options.nproc_per_node,
+                           backend=options.backend, tp_size=options.tp_size,
                            state_dir=options.state_dir.resolve(),
                            tracking_uri=tracking_uri() if options.track else None, base_path=str(path),
                            base_content_hash=resolved.content_hash)

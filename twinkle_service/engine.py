@@ -57,7 +57,8 @@ class TinkerEngine:
     """Tinker's semantics over a multi-tenant LoRA model (`self.model`: slots, router, tokenizer, the tenant verbs).
 
     A backend sets `model`, `max_length`, `vocab_size` and `device`, and gives: `_add_adapter`, `_read_adapter`,
-    `_target_logprobs` (with autograd), `_sample_tokens`, `_score`, `_data_parallel` and `_optimizer_layout`."""
+    `_target_logprobs` (with autograd), `_logits`, `_sample_tokens` and `_optimizer_layout`, and where it splits
+    the work otherwise, `_data_parallel`, `_sum_and_clip`, `_write_adapter` and `_optimizer_file`."""
 
     model: object
     max_length: int
@@ -89,9 +90,8 @@ class TinkerEngine:
         max_new_tokens)."""
         raise NotImplementedError
 
-    def _score(self, tokens: list[int], k: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For every position of one sequence: log p(token i+1 | tokens up to i), and the `k` most likely next
-        tokens with their log-probabilities (most likely first)."""
+    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the whole vocabulary [rows, length, vocab] of `ids` [rows, length] (no gradient)."""
         raise NotImplementedError
 
     def _data_parallel(self) -> tuple[int, int]:
@@ -102,9 +102,9 @@ class TinkerEngine:
         """What a saved optimizer state depends on besides the adapter (a state loads only where it matches)."""
         raise NotImplementedError
 
-    def _optimizer_file(self) -> str | None:
-        """Where this rank writes its optimizer state in a saved state (None: another rank writes it)."""
-        return OPTIMIZER_FILE if _rank_and_world()[0] == 0 else None
+    def _optimizer_file(self) -> tuple[str, bool]:
+        """This rank's optimizer state file in a saved state, and whether this rank writes it."""
+        return OPTIMIZER_FILE, _rank_and_world()[0] == 0  # the ranks hold the same state
 
     def _sum_and_clip(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
         """Sum the ranks' gradients of `params` (each holds its rows' part), clip them to `max_norm`; the norm."""
@@ -151,8 +151,8 @@ class TinkerEngine:
         self._known(name)
         with _shared_atomic_dir(Path(directory)) as tmp:
             self._write_adapter(name, tmp)
-            file = self._optimizer_file()
-            if file is not None:
+            file, writes = self._optimizer_file()
+            if writes:
                 torch.save(self.optimizers[name].state_dict(), tmp / file)
             if _rank_and_world()[0] == 0:
                 (tmp / OPTIMIZER_LAYOUT).write_text(json.dumps(self._optimizer_layout()))
@@ -187,7 +187,7 @@ class TinkerEngine:
             if saved != self._optimizer_layout():
                 raise UserError(f"the saved optimizer state was written by {saved}, this server is "
                                 f"{self._optimizer_layout()}; load the weights only (load_state without optimizer)")
-            file = self._optimizer_file() or OPTIMIZER_FILE
+            file = self._optimizer_file()[0]
         self._read_adapter(name, source / "adapter")
         self.optimizers[name] = torch.optim.AdamW(self.model.tenant_parameters(name), lr=1e-4)
         if file is not None:
@@ -285,6 +285,17 @@ class TinkerEngine:
                 top_logprobs[first - 1:len(prompt) - 1, :topk_prompt]
             top = (ids, lps)
         return sequences, (values if prompt_logprobs else None, top)
+
+    def _score(self, tokens: list[int], k: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For every position of one sequence: log p(token i+1 | tokens up to i), and the `k` most likely next
+        tokens with their log-probabilities (most likely first)."""
+        ids = torch.tensor([tokens], device=self.device)
+        log_probs = torch.log_softmax(self._logits(ids)[0, :-1], -1)
+        chosen = log_probs.gather(-1, ids[0, 1:, None])[:, 0].cpu().numpy()
+        top = log_probs.topk(k, dim=-1) if k else None
+        empty = np.zeros((len(tokens) - 1, 0))
+        return (chosen, top.indices.int().cpu().numpy() if k else empty.astype(np.int32),
+                top.values.cpu().numpy() if k else empty.astype(np.float32))
 
     # ----- training --------------------------------------------------------------------------------
     def check(self, request: ForwardBackwardIn) -> None:

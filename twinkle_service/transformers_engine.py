@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 from peft import LoraConfig, set_peft_model_state_dict
 from safetensors.torch import load_file
@@ -57,18 +56,9 @@ class TransformersEngine(TinkerEngine):
                                 lambda: self.model.precision.autocast(self.device.type))
         return sampler.sample([prompt], num_samples, settings, seed)
 
-    def _score(self, tokens: list[int], k: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For every position of one sequence: log p(token i+1 | tokens up to i), and the `k` most likely next
-        tokens with their log-probabilities (most likely first)."""
-        ids = torch.tensor([tokens], device=self.device)
+    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
         with self.model.precision.autocast(self.device.type):
-            logits = self.model.model(input_ids=ids).logits[0, :-1].float()
-        log_probs = torch.log_softmax(logits, -1)
-        chosen = log_probs.gather(-1, ids[0, 1:, None])[:, 0].cpu().numpy()
-        top = log_probs.topk(k, dim=-1) if k else None
-        empty = np.zeros((len(tokens) - 1, 0))
-        return (chosen, top.indices.int().cpu().numpy() if k else empty.astype(np.int32),
-                top.values.cpu().numpy() if k else empty.astype(np.float32))
+            return self.model.model(input_ids=ids).logits.float()
 
     def _target_logprobs(self, data: list, groups: list[RowGroup]) -> list[torch.Tensor]:
         """Each row's log-probability of its target tokens (shaped like target_tokens), with autograd.

@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from urllib.parse import quote
 
 import numpy as np
 import pytest
@@ -667,3 +668,88 @@ def test_mixed_tenant_passes_are_padding_free_and_equal_padded_ones(tiny_model_d
     assert {n.split(".")[-2] for n in free_grads} >= {"alice", "bob"} and free_grads.keys() == padded_grads.keys()
     for name, grad in free_grads.items():
         torch.testing.assert_close(grad, padded_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _megatron_run(url: str, key: str, seed: int) -> dict:
+    """Create a rank-4 model, 2 cross-entropy steps, save_state, 2 more and a ppo step; a greedy sample."""
+    client = _client(url, key)
+    training = client.create_lora_training_client(base_model=NAME, rank=4, seed=seed).result()
+    data = [_datum(t, 3) for t in ROWS]
+    out = {"start": [o["logprobs"].to_numpy() for o in training.forward(data, "cross_entropy").result().loss_fn_outputs]}
+    losses = []
+    for step in range(4):
+        losses.append(training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        if step == 1:
+            out["mid"] = training.save_state("mid").result().path
+    sampled = training.forward(data, "cross_entropy").result().loss_fn_outputs
+    ppo = [types.Datum(model_input=d.model_input,
+                       loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"],
+                                       "logprobs": o["logprobs"].to_numpy() - 0.05,
+                                       "advantages": np.linspace(-0.5, 1.0, len(o["logprobs"].to_numpy()),
+                                                                 dtype=np.float32)})
+           for d, o in zip(data, sampled)]
+    losses.append(training.forward_backward(ppo, "ppo").result().metrics["loss:sum"])
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    out["losses"] = losses
+    out["end"] = [o["logprobs"].to_numpy() for o in training.forward(data, "cross_entropy").result().loss_fn_outputs]
+    sampler_path = training.save_weights_for_sampler("end").result().path
+    sampler = client.create_sampling_client(model_path=sampler_path).result()
+    greedy = sampler.sample(types.ModelInput.from_ints([5, 6, 7, 8]), 2,
+                            types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])).result()
+    out["greedy"] = [(s.tokens, s.logprobs) for s in greedy.sequences]
+    out["client"] = client
+    return out
+
+
+def test_megatron_backend_splits_the_base_over_tp_ranks_and_equals_one_process(tiny_model_dir, tmp_path):
+    """--backend megatron: the base split over 2 tensor-parallel workers, and 2 data-parallel workers, train as
+    1 worker does (1e-5 relative), its first log-probabilities are the Hugging Face model's (1e-5), and its
+    saved adapter is a plain PEFT adapter of the HF model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    runs = {}
+    for layout, (nproc, tp) in {"tp2": (2, 2), "dp2": (2, 1), "one": (1, 1)}.items():
+        config = ServiceConfig(model_id=str(tiny_model_dir), model_name=NAME, tokenizer_id=str(tiny_model_dir),
+                               mixed_precision="no", max_tenants=2, max_lora_rank=8, max_length=64,
+                               backend="megatron", nproc_per_node=nproc, tp_size=tp, state_dir=tmp_path / "state")
+        server, thread, _, url = _serve(config)
+        try:
+            runs[layout] = _megatron_run(url, "tml-nina", seed=11)
+            if layout == "one":  # the tp=2 state: its weights load on another layout, its optimizer shards do not
+                client = runs[layout]["client"]
+                with pytest.raises(Exception, match="tp_size': 2.*load the weights only"):
+                    client.create_training_client_from_state_with_optimizer(runs["tp2"]["mid"]).result()
+                resumed = client.create_training_client_from_state(runs["tp2"]["mid"]).result()
+                loss = resumed.forward([_datum(t, 3) for t in ROWS], "cross_entropy").result().metrics["loss:sum"]
+                assert loss == pytest.approx(runs["tp2"]["losses"][2], rel=1e-5)
+            runs[layout]["client"].close("success").result()
+        finally:
+            server.should_exit = True
+            thread.join(60)
+    one, two = runs["one"], runs["tp2"]
+    assert one["losses"][3] < one["losses"][0] and abs(one["losses"][4]) > 1e-3  # training; a ppo loss, not ~0
+    for split in (runs["tp2"], runs["dp2"]):
+        np.testing.assert_allclose(split["losses"], one["losses"], rtol=1e-5)
+        for a, b in zip(one["end"], split["end"]):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+        assert [t for t, _ in split["greedy"]] == [t for t, _ in one["greedy"]]
+        np.testing.assert_allclose(np.array([lp for _, lp in split["greedy"]]),
+                                   np.array([lp for _, lp in one["greedy"]]), atol=1e-5)
+    # The untrained adapter is the base: the Hugging Face model's log-probabilities; the trained one, saved for
+    # sampling, loads on the HF base with PEFT and gives the server's last log-probabilities.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    def hf_logprobs(m):
+        with torch.no_grad():
+            return [torch.log_softmax(m(input_ids=torch.tensor([t[:-1]])).logits[0].float(), -1)
+                    .gather(-1, torch.tensor(t[1:])[:, None])[:, 0].numpy() for t in ROWS]
+
+    for ours, hf in zip(two["start"], hf_logprobs(model)):
+        np.testing.assert_allclose(ours, hf, atol=1e-5)
+    run_folder = quote(two["mid"].removeprefix("tinker://").split("/")[0], safe="")  # the server's layout
+    folder = next(p for p in (tmp_path / "state").rglob("end") if (p / "adapter").is_dir() and run_folder in str(p))
+    peft = PeftModel.from_pretrained(model, folder / "adapter").eval()
+    for ours, hf in zip(two["end"], hf_logprobs(peft)):
+        np.testing.assert_allclose(ours, hf, atol=1e-5)

@@ -103,6 +103,11 @@ FLOWS: dict[str, dict[str, Preset]] = {
             "The training service on Qwen 2.5 7B Instruct in bf16 for up to 16 tenants of LoRA rank <= 32 (one GPU).",
             {"model_id": "hf://Qwen/Qwen2.5-7B-Instruct", "precision": "bf16", "max_tenants": 16, "max_lora_rank": 32,
              "host": "0.0.0.0"}),
+        "qwen2.5-72b-tp8": Preset(
+            "The training service on Qwen 2.5 72B Instruct, bf16, the base split over 8 GPUs by megatron-core "
+            "tensor parallelism, for up to 32 tenants of LoRA rank <= 32.",
+            {"model_id": "hf://Qwen/Qwen2.5-72B-Instruct", "backend": "megatron", "nproc_per_node": 8, "tp_size": 8,
+             "precision": "bf16", "max_tenants": 32, "max_lora_rank": 32, "host": "0.0.0.0"}),
     },
     "flows/evaluate.py:evaluate_registered": {
         "champion": Preset("The bundled benchmarks of the default run's champion and its base; the scores go on "

@@ -2,5 +2,6 @@
 
 A layer above twinkle_core, beside the flows: `app` (the HTTP routes, ownership, futures) → `runner` (the
 engine thread, batching) → `worker` (the worker tree, started by twinkle_core's launcher) → `engine` (the
-model side, over MultiLoraTransformersModel) with `wire` (the protobuf codec) and `losses` (Tinker's losses).
+model side: Tinker's semantics, over `transformers_engine` or `megatron_engine`) with `wire` (the protobuf
+codec) and `losses` (Tinker's losses).
 """

@@ -131,15 +131,20 @@ def test_deployment_presets_are_valid_flow_parameters():
     from flows.service import ServiceOptions
 
     served = {d.name: d for d in build_deployments() if d.flow_name == "service"}
-    assert set(served) == {"default", "qwen2.5-7b"}
+    assert set(served) == {"default", "qwen2.5-7b", "qwen2.5-72b-tp8"}
     assert ServiceOptions.model_validate(served["qwen2.5-7b"].parameters["config"]).max_lora_rank == 32
+    split = ServiceOptions.model_validate(served["qwen2.5-72b-tp8"].parameters["config"])
+    assert (split.backend, split.tp_size, split.nproc_per_node) == ("megatron", 8, 8)
 
 
 def test_the_service_command_line_refuses_bad_options_before_loading_anything(capsys):
     from flows.service import main
 
     for argv, words in ((["--max-tenants", "0"], ["max_tenants", "greater than or equal to 1"]),
-                        (["--backend", "megatron"], ["transformers backend for now"])):
+                        (["--tp-size", "2"], ["tensor parallelism splits the base on backend megatron"]),
+                        (["--backend", "megatron", "--nproc-per-node", "3", "--tp-size", "2"],
+                         ["nproc_per_node=3 is not a multiple of tp_size=2"]),
+                        (["--backend", "megatron", "--precision", "fp16"], ["fp16 is not supported on backend"])):
         with pytest.raises(SystemExit) as err:
             main(argv)
         assert all(word in str(err.value) for word in words), str(err.value)

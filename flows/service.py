@@ -3,6 +3,7 @@
     python -m flows.service                                          # the default model on 127.0.0.1:8000
     python -m flows.service --model-id hf://Qwen/Qwen2.5-0.5B-Instruct --max-tenants 16 --port 8080
     python -m flows.service --nproc-per-node 2                       # the model in 2 worker processes
+    python -m flows.service --fsdp --nproc-per-node 2                # each worker holds half of every weight
     python -m flows.service --backend megatron --nproc-per-node 2 --tp-size 2    # the base split over 2 ranks
 
 A client (another shell, another machine):
@@ -35,7 +36,8 @@ from twinkle_core.errors import UserError
 
 WHERE = ("It sits beside the flows, above twinkle_core: this process serves HTTP (twinkle_service) and holds no "
          "model; the model lives in a worker tree started like the flows' training (torchrun with --nproc-per-node "
-         "> 1; --backend megatron --tp-size N splits the base over N workers); each session is an MLflow run. "
+         "> 1; --fsdp shards the base over them, --backend megatron --tp-size N splits it over N); each session is "
+         "an MLflow run. "
          "Clients: the tinker SDK with TINKER_BASE_URL and TINKER_API_KEY=tml-...; README section 'Training as a "
          "service (Tinker API)'.")
 
@@ -59,6 +61,9 @@ class ServiceOptions(BaseModel):
                                                      "those tp_size leaves share each pass's rows.")
     tp_size: int = Field(1, ge=1, description="Tensor parallelism (backend megatron): each worker holds 1/tp_size "
                                               "of every layer.")
+    fsdp: bool = Field(False, description="Shard the base over the workers with FSDP2 (backend transformers): each "
+                                          "holds 1/nproc_per_node of every weight; the adapters take "
+                                          "--max-tenants slots of --max-lora-rank allocated at start.")
     state_dir: Path = Field(Path("service-state"), description="Where save_state writes, per API key; states "
                                                               "outlive the server.")
     api_keys_file: Path | None = Field(None, description="Allowed API keys, one per line (None: any tml-... key).")
@@ -71,6 +76,8 @@ class ServiceOptions(BaseModel):
         if self.tp_size > 1 and self.backend != "megatron":
             raise ValueError(f"tp_size={self.tp_size}: tensor parallelism splits the base on backend megatron; "
                              "the transformers backend replicates the model on every worker (use --backend megatron)")
+        if self.fsdp and self.backend != "transformers":
+            raise ValueError("fsdp shards the transformers backend; backend megatron splits the base with --tp-size")
         if self.nproc_per_node % self.tp_size:
             raise ValueError(f"nproc_per_node={self.nproc_per_node} is not a multiple of tp_size={self.tp_size}")
         if self.backend == "megatron" and self.precision == "fp16":
@@ -108,7 +115,7 @@ def serve(options: ServiceOptions) -> None:
                            max_tenants=options.max_tenants, max_lora_rank=options.max_lora_rank,
                            max_length=options.max_length, max_request_bytes=options.max_request_mb << 20,
                            api_keys=keys, mixed_precision=options.precision, nproc_per_node=options.nproc_per_node,
-                           backend=options.backend, tp_size=options.tp_size,
+                           backend=options.backend, tp_size=options.tp_size, fsdp=options.fsdp,
                            state_dir=options.state_dir.resolve(),
                            tracking_uri=tracking_uri() if options.track else None, base_path=str(path),
                            base_content_hash=resolved.content_hash)

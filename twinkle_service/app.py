@@ -58,6 +58,7 @@ class ServiceConfig:
     nproc_per_node: int = 1  # worker processes holding the model (torchrun beyond one)
     backend: str = "transformers"  # or "megatron" (megatron-core; the base split over tp_size ranks)
     tp_size: int = 1
+    fsdp: bool = False  # transformers backend: the base sharded over the workers by FSDP2
     state_dir: Path = Path("service-state")  # saved training states, per key (they outlive the server)
     tracking_uri: str | None = None  # each session an MLflow run there (None: no MLflow)
     base_path: str | None = None  # the base's local folder and content hash: a registered adapter names them
@@ -306,7 +307,8 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
     """The ASGI app; `runner` defaults to the engine in a worker tree of `config.nproc_per_node` processes."""
     runner = runner or EngineRunner(lambda: RemoteEngine(WorkerTree(
         config.model_id, config.max_tenants, config.max_lora_rank, config.max_length, config.mixed_precision,
-        config.nproc_per_node, backend=config.backend, tp_size=config.tp_size)))
+        config.nproc_per_node, backend=config.backend, tp_size=config.tp_size,
+        fsdp=config.fsdp)))
     service = Service(config, runner)
 
     @contextlib.asynccontextmanager

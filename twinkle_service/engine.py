@@ -34,7 +34,7 @@ from twinkle_core.models.lora_routing import BASE_ONLY, RowGroup
 from twinkle_core.models.state_dirs import MANIFEST_FILE, damage, write_manifest
 from twinkle_core.rl.sampler import SamplingSettings
 from twinkle_service.losses import check_inputs, loss_sum
-from twinkle_service.wire import MAX_TOPK, ForwardBackwardIn
+from twinkle_service.wire import MAX_TOPK, DatumIn, ForwardBackwardIn
 
 # A sample: its tokens, their log-probabilities, why it stopped, and its top tokens ((ids, logprobs) [n, k]) or None
 Sampled = tuple[list[int], list[float], str, "tuple[np.ndarray, np.ndarray] | None"]
@@ -64,6 +64,7 @@ class TinkerEngine:
     max_length: int
     vocab_size: int
     device: torch.device
+    every_rank_runs = False  # every rank must run every pass, backward included (FSDP's collectives)
 
     def _init_engine(self, max_length: int) -> None:
         self.max_length = max_length
@@ -106,6 +107,12 @@ class TinkerEngine:
         """This rank's optimizer state file in a saved state, and whether this rank writes it."""
         return OPTIMIZER_FILE, _rank_and_world()[0] == 0  # the ranks hold the same state
 
+    def _save_optimizer(self, name: str, path: Path) -> None:
+        torch.save(self.optimizers[name].state_dict(), path)
+
+    def _load_optimizer(self, name: str, path: Path) -> None:
+        self.optimizers[name].load_state_dict(torch.load(path, weights_only=True))
+
     def _sum_and_clip(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
         """Sum the ranks' gradients of `params` (each holds its rows' part), clip them to `max_norm`; the norm."""
         _sum_gradients_over_ranks(params)
@@ -113,8 +120,7 @@ class TinkerEngine:
 
     def _write_adapter(self, name: str, folder: Path) -> None:
         """Write tenant `name`'s adapter as a PEFT folder `folder/adapter` (every rank calls this)."""
-        if _rank_and_world()[0] == 0:  # the ranks hold the same adapter
-            self.model.save("adapter", folder, adapter_name=name)
+        raise NotImplementedError
 
     # ----- tenants ---------------------------------------------------------------------------------
     def create(self, name: str, rank: int, seed: int | None = None, train_attn: bool = True,
@@ -153,7 +159,7 @@ class TinkerEngine:
             self._write_adapter(name, tmp)
             file, writes = self._optimizer_file()
             if writes:
-                torch.save(self.optimizers[name].state_dict(), tmp / file)
+                self._save_optimizer(name, tmp / file)
             if _rank_and_world()[0] == 0:
                 (tmp / OPTIMIZER_LAYOUT).write_text(json.dumps(self._optimizer_layout()))
 
@@ -191,7 +197,7 @@ class TinkerEngine:
         self._read_adapter(name, source / "adapter")
         self.optimizers[name] = torch.optim.AdamW(self.model.tenant_parameters(name), lr=1e-4)
         if file is not None:
-            self.optimizers[name].load_state_dict(torch.load(source / file, weights_only=True))
+            self._load_optimizer(name, source / file)
         self.optimizers[name].zero_grad(set_to_none=True)
 
     # ----- sampling ----------------------------------------------------------------------------------
@@ -337,16 +343,27 @@ class TinkerEngine:
         # Rows of one tenant together, tenants in slot order (the router takes contiguous row groups).
         order = {name: k for k, name in enumerate(self.model.slots.names())}
         runnable.sort(key=lambda i: order[requests[i].model_id])
+        passes = [runnable]
+        if self.every_rank_runs:  # all ranks run backward together: forward-only requests in a pass of their own
+            passes = [part for part in ([i for i in runnable if requests[i].forward_only],
+                                        [i for i in runnable if not requests[i].forward_only]) if part]
+        for part in passes:
+            self._pass(requests, part, outcomes)
+        return outcomes
+
+    def _pass(self, requests: list[ForwardBackwardIn], runnable: list[int], outcomes: list[Outcome]) -> None:
         rows = [(i, j) for i in runnable for j in range(len(requests[i].data))]
+        tenants = list(dict.fromkeys(requests[i].model_id for i in runnable))
         share, shares = self._data_parallel()
         mine = list(range(share, len(rows), shares))
-        local = self._run_rows(requests, [rows[r] for r in mine]) if mine else []
+        local = self._run_rows(requests, [rows[r] for r in mine], tenants) if mine else []
+        if not mine and self.every_rank_runs:  # a rank without rows runs one with its loss zeroed
+            self._run_rows(requests, rows[:1], tenants, zeroed=True)
         results = dict(zip(mine, local))
         if _rank_and_world()[1] > 1:  # (tensor-parallel peers hold the same results)
-            world = _rank_and_world()[1]
             import torch.distributed as dist
 
-            gathered: list = [None] * world
+            gathered: list = [None] * _rank_and_world()[1]
             dist.all_gather_object(gathered, results)
             results = {k: v for part in gathered for k, v in part.items()}
         per_request: dict[int, list] = {i: [] for i in runnable}
@@ -355,11 +372,13 @@ class TinkerEngine:
         for i in runnable:
             outputs = [{"logprobs": logprobs} for logprobs, _ in per_request[i]]
             outcomes[i].result = (outputs, {"loss:sum": float(sum(loss for _, loss in per_request[i]))})
-        return outcomes
 
-    def _run_rows(self, requests: list[ForwardBackwardIn], rows: list[tuple[int, int]]) -> list[tuple]:
+    def _run_rows(self, requests: list[ForwardBackwardIn], rows: list[tuple[int, int]], tenants: list[str],
+                  zeroed: bool = False) -> list[tuple]:
         """Forward (and backward, for training requests) of these (request, datum) rows in one pass; each
-        row's target log-probabilities (numpy) and summed loss."""
+        row's target log-probabilities (numpy) and summed loss. With `every_rank_runs`, the pass's `tenants`
+        without rows here get an empty group (their gradients: zeros), and `zeroed` rows have their loss
+        inputs zeroed (a loss and gradient of exactly 0)."""
         groups, start = [], 0
         for i, _ in rows:
             name = requests[i].model_id
@@ -368,7 +387,12 @@ class TinkerEngine:
             else:
                 groups.append(RowGroup(name, start, start + 1))
             start += 1
+        if self.every_rank_runs:
+            groups += [RowGroup(name, start, start) for name in tenants if name not in {g.adapter for g in groups}]
         data = [requests[i].data[j] for i, j in rows]
+        if zeroed:
+            data = [DatumIn(d.tokens, {k: v if k == "target_tokens" else np.zeros_like(v) for k, v in d.inputs.items()})
+                    for d in data]
         logprobs = self._target_logprobs(data, groups)
         total, out = None, []
         for (i, _), datum, row_logprobs in zip(rows, data, logprobs):

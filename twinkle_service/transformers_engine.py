@@ -14,13 +14,14 @@ from safetensors.torch import load_file
 from twinkle_core.data.collate import PaddingFreeRow
 from twinkle_core.data.device_batch import padding_free_forward, to_device
 from twinkle_core.errors import UserError
+from twinkle_core.models.checkpoint import save_checkpoint
 from twinkle_core.models.lora_routing import RowGroup
 from twinkle_core.models.multi_lora import MultiLoraTransformersModel
 from twinkle_core.models.tenants import adapter_of
 from twinkle_core.objectives.causal_lm import backbone, has_plain_head, unwrap
 from twinkle_core.objectives.linear_ce import fusable_head, linear_target_logprobs
 from twinkle_core.rl.sampler import PolicySampler, SamplingSettings
-from twinkle_service.engine import TinkerEngine
+from twinkle_service.engine import TinkerEngine, _rank_and_world
 
 
 class TransformersEngine(TinkerEngine):
@@ -44,6 +45,10 @@ class TransformersEngine(TinkerEngine):
         missing = [k for k in result.missing_keys if adapter_of(k) == name]
         if missing:
             raise UserError(f"the saved state lacks {len(missing)} of this model's adapter weights (e.g. {missing[0]})")
+
+    def _write_adapter(self, name: str, folder: Path) -> None:
+        if _rank_and_world()[0] == 0:  # the ranks hold the same adapter (no collective: the model is not wrapped)
+            save_checkpoint(self.model.model, self.model.tokenizer, folder / "adapter", name)
 
     def _optimizer_layout(self) -> dict:
         return {"backend": "transformers"}

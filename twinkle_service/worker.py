@@ -49,13 +49,13 @@ class RemoteEngine:
 class WorkerTree:
     def __init__(self, model_id: str, max_tenants: int, max_rank: int, max_length: int, mixed_precision: str,
                  nproc_per_node: int = 1, start_timeout_s: float = 600.0, backend: str = "transformers",
-                 tp_size: int = 1):
+                 tp_size: int = 1, fsdp: bool = False):
         authkey = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         host, port = self._listener.address
         args = ["--model-id", model_id, "--max-tenants", str(max_tenants), "--max-rank", str(max_rank),
                 "--max-length", str(max_length), "--mixed-precision", mixed_precision, "--connect", f"{host}:{port}",
-                "--backend", backend, "--tp-size", str(tp_size)]
+                "--backend", backend, "--tp-size", str(tp_size), *(["--fsdp"] if fsdp else [])]
         module = "twinkle_service.worker"
         cmd = torchrun_command(module, args, nproc_per_node) if nproc_per_node > 1 else \
             [sys.executable, "-m", module, *args]
@@ -152,6 +152,10 @@ def _engine(args):
 
         return MegatronEngine(args.model_id, args.max_tenants, args.max_rank, args.max_length, args.mixed_precision,
                               tp_size=args.tp_size)
+    if args.fsdp:
+        from twinkle_service.sharded_engine import ShardedEngine
+
+        return ShardedEngine(args.model_id, args.max_tenants, args.max_rank, args.max_length, args.mixed_precision)
     from twinkle_service.transformers_engine import TransformersEngine
 
     return TransformersEngine(args.model_id, args.max_tenants, args.max_rank, args.max_length, args.mixed_precision)
@@ -166,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mixed-precision", default="auto")
     parser.add_argument("--backend", choices=("transformers", "megatron"), default="transformers")
     parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--connect", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

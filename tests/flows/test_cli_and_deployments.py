@@ -144,7 +144,8 @@ def test_the_service_command_line_refuses_bad_options_before_loading_anything(ca
                         (["--tp-size", "2"], ["tensor parallelism splits the base on backend megatron"]),
                         (["--backend", "megatron", "--nproc-per-node", "3", "--tp-size", "2"],
                          ["nproc_per_node=3 is not a multiple of tp_size=2"]),
-                        (["--backend", "megatron", "--precision", "fp16"], ["fp16 is not supported on backend"])):
+                        (["--backend", "megatron", "--precision", "fp16"], ["fp16 is not supported on backend"]),
+                        (["--backend", "megatron", "--fsdp", "true"], ["fsdp shards the transformers backend"])):
         with pytest.raises(SystemExit) as err:
             main(argv)
         assert all(word in str(err.value) for word in words), str(err.value)

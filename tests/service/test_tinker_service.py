@@ -251,29 +251,52 @@ def test_limits_on_rank_and_tenants(service):
     again.close("success").result()
 
 
-def test_two_worker_processes_equal_one(tiny_model_dir, service):
+def test_two_worker_processes_equal_one_replicated_or_sharded(tiny_model_dir, service):
+    """2 workers holding the model whole (rows shared out), and 2 holding half of every weight (--fsdp: the
+    adapters in pre-allocated rank-8 slots, a rank-4 tenant masked), train as 1 does: a pass with a row for
+    each worker and one with a single row (the other worker runs a zeroed copy), a state saved and resumed
+    with its optimizer, a greedy sample (1e-5)."""
     _, url_one = service
-    config = ServiceConfig(model_id=str(tiny_model_dir), model_name=NAME, tokenizer_id=str(tiny_model_dir),
-                           mixed_precision="no", nproc_per_node=2, max_length=64)
-    server, thread, _, url_two = _serve(config)
+    urls, servers = {"one": url_one}, []
+    for layout, fsdp in (("replicated", False), ("fsdp", True)):
+        config = ServiceConfig(model_id=str(tiny_model_dir), model_name=NAME, tokenizer_id=str(tiny_model_dir),
+                               mixed_precision="no", nproc_per_node=2, max_length=64, max_tenants=3, max_lora_rank=8,
+                               fsdp=fsdp)
+        server, thread, _, urls[layout] = _serve(config)
+        servers.append((server, thread))
     try:
-        results = []
-        for url in (url_one, url_two):
+        results = {}
+        for layout, url in urls.items():
             client = _client(url, "tml-frank")
             training = client.create_lora_training_client(base_model=NAME, rank=4, seed=5).result()
             data = [_datum(t, 2) for t in ROWS]  # 3 rows: 2 on rank 0, 1 on rank 1
-            for _ in range(2):
-                training.forward_backward(data, "cross_entropy").result()
-                training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-            results.append(training.forward(data, "cross_entropy").result())
+            losses = []
+            for batch in (data, data, data[:1]):
+                losses.append(training.forward_backward(batch, "cross_entropy").result().metrics["loss:sum"])
+                training.optim_step(types.AdamParams(learning_rate=1e-2, weight_decay=0.1)).result()
+            path = training.save_state(f"mid-{layout}").result().path
+            resumed = client.create_training_client_from_state_with_optimizer(path).result()
+            for trainer in (training, resumed):  # the same step on the saved state and on the one trained on
+                losses.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+                trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            sampler = resumed.save_weights_and_get_sampling_client().result()
+            greedy = sampler.sample(types.ModelInput.from_ints([5, 6, 7, 8]), 1,
+                                    types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])).result()
+            results[layout] = (losses, resumed.forward(data, "cross_entropy").result(), greedy.sequences[0])
             client.close("success").result()
-        one, two = results
-        assert two.metrics["loss:sum"] == pytest.approx(one.metrics["loss:sum"], rel=1e-5)
-        for a, b in zip(one.loss_fn_outputs, two.loss_fn_outputs):
-            np.testing.assert_allclose(b["logprobs"].to_numpy(), a["logprobs"].to_numpy(), rtol=1e-5, atol=1e-5)
+        one_losses, one, one_sample = results["one"]
+        assert one_losses[3] == pytest.approx(one_losses[4], rel=1e-6) and one_losses[2] < one_losses[0]
+        for layout in ("replicated", "fsdp"):
+            losses, two, sample = results[layout]
+            np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
+            for a, b in zip(one.loss_fn_outputs, two.loss_fn_outputs):
+                np.testing.assert_allclose(b["logprobs"].to_numpy(), a["logprobs"].to_numpy(), rtol=1e-5, atol=1e-5)
+            assert sample.tokens == one_sample.tokens
+            np.testing.assert_allclose(sample.logprobs, one_sample.logprobs, atol=1e-5)
     finally:
-        server.should_exit = True
-        thread.join(60)
+        for server, thread in servers:
+            server.should_exit = True
+            thread.join(60)
 
 
 def test_sampling_is_greedy_exact_a_snapshot_and_scores_like_forward(service, tiny_model_dir, monkeypatch):

@@ -5,6 +5,8 @@
     python -m flows.service --nproc-per-node 2                       # the model in 2 worker processes
     python -m flows.service --fsdp --nproc-per-node 2                # each worker holds half of every weight
     python -m flows.service --backend megatron --nproc-per-node 2 --tp-size 2    # the base split over 2 ranks
+    python -m flows.service --fsdp --nproc-per-node 8 --nnodes 2 --rdzv-endpoint HOST0:29500   # machine 0: HTTP
+    python -m flows.service --fsdp --nproc-per-node 8 --nnodes 2 --rdzv-endpoint HOST0:29500 --node-rank 1
 
 A client (another shell, another machine):
 
@@ -30,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flows.cli import parse_args, report_user_errors
 from flows.params import DEFAULT_MODEL
-from twinkle_core.config.fields import ModelId
+from twinkle_core.config.fields import ModelId, Nnodes, NodeRank, RdzvEndpoint, RdzvId, check_launch
 from twinkle_core.errors import UserError
 
 
@@ -64,6 +66,11 @@ class ServiceOptions(BaseModel):
     fsdp: bool = Field(False, description="Shard the base over the workers with FSDP2 (backend transformers): each "
                                           "holds 1/nproc_per_node of every weight; the adapters take "
                                           "--max-tenants slots of --max-lora-rank allocated at start.")
+    nnodes: Nnodes = 1
+    node_rank: NodeRank = Field(0, description="This machine's index, 0 .. nnodes-1: node 0 serves HTTP, the "
+                                               "others only run their workers (the same options otherwise).")
+    rdzv_endpoint: RdzvEndpoint = None
+    rdzv_id: RdzvId = "twinkle-service"
     state_dir: Path = Field(Path("service-state"), description="Where save_state writes, per API key; states "
                                                               "outlive the server.")
     api_keys_file: Path | None = Field(None, description="Allowed API keys, one per line (None: any tml-... key).")
@@ -78,6 +85,7 @@ class ServiceOptions(BaseModel):
                              "the transformers backend replicates the model on every worker (use --backend megatron)")
         if self.fsdp and self.backend != "transformers":
             raise ValueError("fsdp shards the transformers backend; backend megatron splits the base with --tp-size")
+        check_launch(self.nnodes, self.node_rank, self.rdzv_endpoint)
         if self.nproc_per_node % self.tp_size:
             raise ValueError(f"nproc_per_node={self.nproc_per_node} is not a multiple of tp_size={self.tp_size}")
         if self.backend == "megatron" and self.precision == "fp16":
@@ -109,6 +117,9 @@ def serve(options: ServiceOptions) -> None:
 
     keys = _api_keys(options.api_keys_file)
     resolved = resolve_model(options.model_id)  # resolved (downloaded) here, once; the workers find it cached
+    if options.node_rank > 0:
+        _join(options)
+        return
     path = resolved.path
     name = options.model_name or options.model_id
     config = ServiceConfig(model_id=options.model_id, model_name=name, tokenizer_id=options.tokenizer_id or str(path),
@@ -116,12 +127,25 @@ def serve(options: ServiceOptions) -> None:
                            max_length=options.max_length, max_request_bytes=options.max_request_mb << 20,
                            api_keys=keys, mixed_precision=options.precision, nproc_per_node=options.nproc_per_node,
                            backend=options.backend, tp_size=options.tp_size, fsdp=options.fsdp,
+                           nnodes=options.nnodes, rdzv_endpoint=options.rdzv_endpoint, rdzv_id=options.rdzv_id,
                            state_dir=options.state_dir.resolve(),
                            tracking_uri=tracking_uri() if options.track else None, base_path=str(path),
                            base_content_hash=resolved.content_hash)
     print(f"service: serving {name!r} on http://{options.host}:{options.port} "
           f"(TINKER_BASE_URL; base_model={name!r})", flush=True)
     uvicorn.run(create_app(config), host=options.host, port=options.port, log_level="warning")
+
+
+def _join(options: ServiceOptions) -> None:
+    """Machine `node_rank` > 0: its workers join the tree of node 0 (which serves HTTP); until it stops them."""
+    from twinkle_service.worker import join_tree, worker_args
+
+    args = worker_args(options.model_id, options.max_tenants, options.max_lora_rank, options.max_length,
+                       options.precision, options.backend, options.tp_size, options.fsdp, connect=None)
+    print(f"service: node {options.node_rank} of {options.nnodes} joining the workers at {options.rdzv_endpoint}",
+          flush=True)
+    join_tree(args, options.nproc_per_node, options.nnodes, options.node_rank, options.rdzv_endpoint,
+              options.rdzv_id)
 
 
 @flow(name="service", log_prints=True)

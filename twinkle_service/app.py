@@ -59,6 +59,9 @@ class ServiceConfig:
     backend: str = "transformers"  # or "megatron" (megatron-core; the base split over tp_size ranks)
     tp_size: int = 1
     fsdp: bool = False  # transformers backend: the base sharded over the workers by FSDP2
+    nnodes: int = 1  # machines in the worker tree (this one is node 0; the others join at rdzv_endpoint)
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "twinkle-service"
     state_dir: Path = Path("service-state")  # saved training states, per key (they outlive the server)
     tracking_uri: str | None = None  # each session an MLflow run there (None: no MLflow)
     base_path: str | None = None  # the base's local folder and content hash: a registered adapter names them
@@ -308,7 +311,7 @@ def create_app(config: ServiceConfig, runner: EngineRunner | None = None) -> Fas
     runner = runner or EngineRunner(lambda: RemoteEngine(WorkerTree(
         config.model_id, config.max_tenants, config.max_lora_rank, config.max_length, config.mixed_precision,
         config.nproc_per_node, backend=config.backend, tp_size=config.tp_size,
-        fsdp=config.fsdp)))
+        fsdp=config.fsdp, nnodes=config.nnodes, rdzv_endpoint=config.rdzv_endpoint, rdzv_id=config.rdzv_id)))
     service = Service(config, runner)
 
     @contextlib.asynccontextmanager

@@ -1,11 +1,12 @@
 """The service's worker tree: the model lives in worker processes, never in the HTTP process.
 
 `WorkerTree` starts `python -m twinkle_service.worker` (under torchrun for several processes) with the
-project's launcher, so the tree dies with the server however it ends. Rank 0 connects back over a local
-authenticated socket (multiprocessing.connection), receives each call, broadcasts it to every rank, and
-sends the result back; every rank runs the same call on its own engine (its share of the rows; the
-gradients summed across ranks before each step, see engine.py). `RemoteEngine` is the HTTP side's view
-of it, with the engine's own methods.
+project's launcher, so the tree dies with the server however it ends. Its leader (the first worker on the
+server's machine) connects back over a local authenticated socket (multiprocessing.connection), receives
+each call, broadcasts it to every rank, and sends the result back; every rank runs the same call on its
+own engine (its share of the rows; the gradients summed across ranks before each step, see engine.py).
+Other machines join the tree with `join_tree` (`python -m flows.service --node-rank N`). `RemoteEngine`
+is the HTTP side's view of it, with the engine's own methods.
 """
 from __future__ import annotations
 
@@ -49,16 +50,15 @@ class RemoteEngine:
 class WorkerTree:
     def __init__(self, model_id: str, max_tenants: int, max_rank: int, max_length: int, mixed_precision: str,
                  nproc_per_node: int = 1, start_timeout_s: float = 600.0, backend: str = "transformers",
-                 tp_size: int = 1, fsdp: bool = False):
+                 tp_size: int = 1, fsdp: bool = False, nnodes: int = 1, rdzv_endpoint: str | None = None,
+                 rdzv_id: str = "twinkle-service"):
+        """`nnodes` > 1: this machine is node 0 of the tree; the others join it (`join_tree`) at `rdzv_endpoint`."""
         authkey = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         host, port = self._listener.address
-        args = ["--model-id", model_id, "--max-tenants", str(max_tenants), "--max-rank", str(max_rank),
-                "--max-length", str(max_length), "--mixed-precision", mixed_precision, "--connect", f"{host}:{port}",
-                "--backend", backend, "--tp-size", str(tp_size), *(["--fsdp"] if fsdp else [])]
-        module = "twinkle_service.worker"
-        cmd = torchrun_command(module, args, nproc_per_node) if nproc_per_node > 1 else \
-            [sys.executable, "-m", module, *args]
+        args = worker_args(model_id, max_tenants, max_rank, max_length, mixed_precision, backend, tp_size, fsdp,
+                           connect=f"{host}:{port}")
+        cmd = _command(args, nproc_per_node, nnodes, 0, rdzv_endpoint, rdzv_id)
         self.exit_error: str | None = None
         self._lock = threading.Lock()
         env = {AUTHKEY_ENV: authkey.hex(), "TINKER_TELEMETRY": "0"}
@@ -113,8 +113,32 @@ class WorkerTree:
         self._thread.join(timeout=30)
 
 
+def worker_args(model_id: str, max_tenants: int, max_rank: int, max_length: int, mixed_precision: str,
+                backend: str, tp_size: int, fsdp: bool, connect: str | None) -> list[str]:
+    return ["--model-id", model_id, "--max-tenants", str(max_tenants), "--max-rank", str(max_rank),
+            "--max-length", str(max_length), "--mixed-precision", mixed_precision, "--backend", backend,
+            "--tp-size", str(tp_size), *(["--fsdp"] if fsdp else []), *(["--connect", connect] if connect else [])]
+
+
+def _command(args: list[str], nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
+             rdzv_id: str) -> list[str]:
+    module = "twinkle_service.worker"
+    if nproc_per_node == 1 and nnodes == 1:
+        return [sys.executable, "-m", module, *args]
+    return torchrun_command(module, args, nproc_per_node, rdzv_endpoint if nnodes > 1 else None, nnodes, node_rank,
+                            rdzv_id)
+
+
+def join_tree(args: list[str], nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str,
+              rdzv_id: str = "twinkle-service") -> None:
+    """Run this machine's workers of a tree whose node 0 serves HTTP (`worker_args` without `connect`: the
+    leader is on node 0); returns when the server stops them."""
+    run_streaming(_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id),
+                  lambda line: logger.info("[workers] %s", line), env={"TINKER_TELEMETRY": "0"})
+
+
 # ----- the worker side -------------------------------------------------------------------------------
-def _serve(engine, conn, world: int) -> None:
+def _serve(engine, conn, world: int, leader: int) -> None:
     import torch.distributed as dist
 
     while True:
@@ -127,7 +151,7 @@ def _serve(engine, conn, world: int) -> None:
             message = None
         if world > 1:
             box = [message]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=leader)
             message = box[0]
         kind, args = message
         if kind == "stop":
@@ -171,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", choices=("transformers", "megatron"), default="transformers")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--fsdp", action="store_true")
-    parser.add_argument("--connect", required=True)
+    parser.add_argument("--connect", default=None, help="HOST:PORT of the server (its machine's first worker)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -179,9 +203,20 @@ def main(argv: list[str] | None = None) -> None:
         from twinkle_core.parallel.process_group import init_distributed
 
         init_distributed()
-    rank = int(os.environ.get("RANK", "0"))
+    # The leader talks to the server: the first worker of the server's machine (rendezvous gives rank 0 to any
+    # machine), the one that was given the server's address and key.
+    here = args.connect is not None and AUTHKEY_ENV in os.environ and int(os.environ.get("LOCAL_RANK", "0")) == 0
+    leader = 0
+    if world > 1:
+        import torch.distributed as dist
+
+        flags: list = [None] * world
+        dist.all_gather_object(flags, here)
+        if True not in flags:
+            raise RuntimeError("no worker of this tree runs on the server's machine (node 0 starts with the server)")
+        leader = flags.index(True)
     conn = None
-    if rank == 0:
+    if int(os.environ.get("RANK", "0")) == leader:
         host, port = args.connect.rsplit(":", 1)
         conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
     try:
@@ -192,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         raise
     if conn is not None:
         conn.send(("ready", engine.vocab_size))
-    _serve(engine, conn, world)
+    _serve(engine, conn, world, leader)
 
 
 if __name__ == "__main__":

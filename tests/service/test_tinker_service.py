@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from urllib.parse import quote
@@ -25,13 +27,18 @@ from twinkle_service.app import ServiceConfig, create_app  # noqa: E402
 NAME = "tiny-llama"
 
 
-def _serve(config: ServiceConfig):
-    import uvicorn
-
+def _free_port() -> int:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
+    return port
+
+
+def _serve(config: ServiceConfig):
+    import uvicorn
+
+    port = _free_port()
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -252,16 +259,24 @@ def test_limits_on_rank_and_tenants(service):
 
 
 def test_two_worker_processes_equal_one_replicated_or_sharded(tiny_model_dir, service):
-    """2 workers holding the model whole (rows shared out), and 2 holding half of every weight (--fsdp: the
-    adapters in pre-allocated rank-8 slots, a rank-4 tenant masked), train as 1 does: a pass with a row for
+    """2 workers holding the model whole (rows shared out), 2 holding half of every weight (--fsdp: the
+    adapters in pre-allocated rank-8 slots, a rank-4 tenant masked), and 2 machines of one sharded worker
+    each (machine 1 joins with --node-rank 1), train as 1 does: a pass with a row for
     each worker and one with a single row (the other worker runs a zeroed copy), a state saved and resumed
     with its optimizer, a greedy sample (1e-5)."""
     _, url_one = service
     urls, servers = {"one": url_one}, []
-    for layout, fsdp in (("replicated", False), ("fsdp", True)):
+    port = _free_port()
+    # "machines": 2 machines of 1 worker each (here both on this one), FSDP across them; machine 1 only joins
+    joiner = subprocess.Popen([sys.executable, "-m", "flows.service", "--model-id", str(tiny_model_dir), "--precision",
+                               "no", "--max-length", "64", "--max-tenants", "3", "--max-lora-rank", "8", "--fsdp", "true",
+                               "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                               "--track", "false"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    layouts = {"replicated": dict(nproc_per_node=2), "fsdp": dict(nproc_per_node=2, fsdp=True),
+               "machines": dict(fsdp=True, nnodes=2, rdzv_endpoint=f"127.0.0.1:{port}")}
+    for layout, parallel in layouts.items():
         config = ServiceConfig(model_id=str(tiny_model_dir), model_name=NAME, tokenizer_id=str(tiny_model_dir),
-                               mixed_precision="no", nproc_per_node=2, max_length=64, max_tenants=3, max_lora_rank=8,
-                               fsdp=fsdp)
+                               mixed_precision="no", max_length=64, max_tenants=3, max_lora_rank=8, **parallel)
         server, thread, _, urls[layout] = _serve(config)
         servers.append((server, thread))
     try:
@@ -286,7 +301,7 @@ def test_two_worker_processes_equal_one_replicated_or_sharded(tiny_model_dir, se
             client.close("success").result()
         one_losses, one, one_sample = results["one"]
         assert one_losses[3] == pytest.approx(one_losses[4], rel=1e-6) and one_losses[2] < one_losses[0]
-        for layout in ("replicated", "fsdp"):
+        for layout in layouts:
             losses, two, sample = results[layout]
             np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
             for a, b in zip(one.loss_fn_outputs, two.loss_fn_outputs):
@@ -297,6 +312,7 @@ def test_two_worker_processes_equal_one_replicated_or_sharded(tiny_model_dir, se
         for server, thread in servers:
             server.should_exit = True
             thread.join(60)
+        assert joiner.wait(60) == 0  # machine 1's workers end with the server
 
 
 def test_sampling_is_greedy_exact_a_snapshot_and_scores_like_forward(service, tiny_model_dir, monkeypatch):

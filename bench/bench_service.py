@@ -3,6 +3,7 @@
     make bench-service                                   # 4 clients x 3 steps x 4 rows, LoRA r=8 (~5 minutes here)
     python bench/bench_service.py --clients 2 --steps 1  # a quick check that every side runs
     python bench/bench_service.py --repeats 3            # medians over 3 runs of every side
+    python bench/bench_service.py --sides service-concurrent --server-args "--fsdp true --nproc-per-node 2"
 
 The model is the default one (SmolLM2-135M-Instruct, flows.params.DEFAULT_MODEL, the GGUF converted once into
 a cached HF folder), in `--precision` auto (bf16 where the CPU computes it natively, fp32 elsewhere). The rows
@@ -34,7 +35,7 @@ local code path (below), the table also gives (service wall - the engine's own b
 a request spends outside the model: SDK, HTTP, polling and queueing. Passes: the forward_backward passes the
 server ran against the forward_backward requests it got (fewer passes than requests = requests shared a
 mixed-tenant pass). Peak RSS (VmHWM): the server's worker process (the one holding the model) and the HTTP
-process; the local process's own.
+process (summed over the workers, and the largest one: what one device must hold); the local process's own.
 
 To count passes and the engine's busy time the server runs as `python bench/bench_service.py --serve ARGS`:
 the very `python -m flows.service ARGS` (runpy, same module, same arguments) with one wrapper around
@@ -108,7 +109,8 @@ def vm_hwm_mb(pid: int) -> float:
 class Server:
     """The service in a subprocess on a free port; its output lines are collected by a thread."""
 
-    def __init__(self, model_id: str, precision: str, rank: int, max_tenants: int, state_dir: str):
+    def __init__(self, model_id: str, precision: str, rank: int, max_tenants: int, state_dir: str,
+                 extra: list[str] = ()):
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -116,7 +118,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, __file__, "--serve", "--model-id", model_id, "--port", str(self.port),
                "--state-dir", state_dir, "--precision", precision, "--max-lora-rank", str(rank),
-               "--max-tenants", str(max_tenants)]
+               "--max-tenants", str(max_tenants), *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                      cwd=ROOT, env=os.environ.copy())
         self.lines: list[str] = []
@@ -164,9 +166,11 @@ class Server:
     def peak_rss(self) -> dict:
         import psutil
 
-        workers = [p for p in psutil.Process(self.proc.pid).children(recursive=True)
-                   if "twinkle_service.worker" in " ".join(p.cmdline())]
-        return {"worker_peak_rss_mb": sum(vm_hwm_mb(p.pid) for p in workers) if workers else float("nan"),
+        workers = [p for p in psutil.Process(self.proc.pid).children(recursive=True)  # not torchrun's agent
+                   if "twinkle_service.worker" in " ".join(p.cmdline()) and "torch.distributed.run" not in p.cmdline()]
+        peaks = [vm_hwm_mb(p.pid) for p in workers]
+        return {"worker_peak_rss_mb": sum(peaks) if peaks else float("nan"),
+                "largest_worker_peak_rss_mb": max(peaks) if peaks else float("nan"),
                 "workers": len(workers), "http_peak_rss_mb": vm_hwm_mb(self.proc.pid)}
 
     def stop(self) -> None:
@@ -207,7 +211,8 @@ def run_service(args, batches: list[list[dict]], concurrent: bool) -> dict:
 
     own = client_batches(batches, args.clients, args.steps)
     with tempfile.TemporaryDirectory(prefix="bench-service-state-") as state_dir:
-        server = Server(args.model_id, args.precision, args.rank, args.clients + 1, state_dir)
+        server = Server(args.model_id, args.precision, args.rank, args.clients + 1, state_dir,
+                        args.server_args.split())
         try:
             # warm-up: the model loads, a throw-away tenant trains one step (first-call costs), its session ends
             warm = tinker.ServiceClient(base_url=server.url, api_key="tml-bench-warmup")
@@ -330,7 +335,8 @@ def run_child(args, which: str, rows_file: Path) -> dict:
 
     cmd = [sys.executable, __file__, "--side", which, "--rows-file", str(rows_file), "--model-id", args.model_id,
            "--precision", args.precision, "--clients", str(args.clients), "--steps", str(args.steps),
-           "--rows", str(args.rows), "--rank", str(args.rank), "--lr", str(args.lr)]
+           "--rows", str(args.rows), "--rank", str(args.rank), "--lr", str(args.lr),
+           f"--server-args={args.server_args}"]
     # every process (server, its worker, local) with the allocator settings our launcher gives CPU workers
     env = {**os.environ, **cpu_allocator_env(), "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
            "TINKER_TELEMETRY": "0"}
@@ -362,6 +368,8 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--sides", default=",".join(SIDES), help=f"of {','.join(SIDES)}")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--server-args", default="", help="more options of the server, e.g. '--fsdp true "
+                        "--nproc-per-node 2' or '--backend megatron --nproc-per-node 2 --tp-size 2'")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--rows-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -401,7 +409,8 @@ def main() -> int:
                 f", {r['fb_passes']} passes for {r['fb_requests']} forward_backward requests "
                 f"(rows per pass {r['rows_per_pass']}, seconds {r['seconds_per_pass']}), "
                 f"engine busy {r['engine_busy_s']:.2f} s, worker peak RSS "
-                f"{r['worker_peak_rss_mb']:.0f} MB" + (f", ERRORS {r['errors']}" if r["errors"] else ""))
+                f"{r['worker_peak_rss_mb']:.0f} MB (largest worker {r['largest_worker_peak_rss_mb']:.0f} MB)"
+                + (f", ERRORS {r['errors']}" if r["errors"] else ""))
             print(f"  repeat {repeat + 1} {which:18s} {r['seconds']:7.2f} s  {r['rows_per_s']:.3f} rows/s  "
                   f"{r['tokens_per_s']:.1f} tokens/s{extra}", flush=True)
     summary: dict = {}
@@ -434,7 +443,8 @@ def main() -> int:
         outside = statistics.median((r["seconds"] - r["engine_busy_s"]) / r["requests"] for r in rs)
         print(f"| {label[which]} | {med(rs, 'seconds')} | {med(rs, 'rows_per_s', 3)} | {med(rs, 'tokens_per_s', 1)} "
               f"| {passes} | {med(rs, 'median_fb_latency_s')} | {med(rs, 'median_optim_latency_s')} "
-              f"| {med(rs, 'engine_busy_s')} | {outside:.3f} | {med(rs, 'worker_peak_rss_mb', 0)} (worker), "
+              f"| {med(rs, 'engine_busy_s')} | {outside:.3f} | {med(rs, 'worker_peak_rss_mb', 0)} (workers; largest "
+              f"{med(rs, 'largest_worker_peak_rss_mb', 0)}), "
               f"{med(rs, 'http_peak_rss_mb', 0)} (HTTP) |")
     if "http_overhead_s_per_request" in summary:
         print(f"\nHTTP overhead per request ((service one after another - local) / {runs['local'][0]['requests']} "

@@ -111,9 +111,10 @@ class MegatronEngine(TinkerEngine):
         with self.model.router.route(groups):
             logits = self._run(ids.to(self.device))
         padded = padded.to(self.device)
-        # log p(target) = -cross-entropy, over the vocabulary split across tp ranks (one column of targets a time)
-        logprobs = torch.stack([-vocab_masked_token_losses(logits, padded[..., j], self.vocab_size)
-                                for j in range(k)], dim=-1)
+        # log p(target) = -cross-entropy, over the vocabulary split across tp ranks (one column of targets a time;
+        # megatron's cross-entropy works in place on the logits it is given, so each column gets its own copy)
+        logprobs = torch.stack([-vocab_masked_token_losses(logits if k == 1 else logits.clone(), padded[..., j],
+                                                           self.vocab_size) for j in range(k)], dim=-1)
         return [logprobs[r, :n] if t.ndim == 2 else logprobs[r, :n, 0] for r, (n, t) in enumerate(zip(lengths, targets))]
 
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:

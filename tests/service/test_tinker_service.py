@@ -3,7 +3,9 @@
 Tolerances (fp32): the service against a hand-written PEFT + torch AdamW loop on the same seed, logprobs
 within 1e-5 after 3 steps; against TransformersModel's own steps on the same chat rows, per-step losses
 within 1e-5 relative; a tenant in a mixed batch against the same request alone, 1e-5 (rows are padded to
-another length); 2 worker processes against 1, 1e-5 relative; a resumed state against training on, 1e-5.
+another length); 2 worker processes against 1 (replicated, FSDP-sharded, on 2 "machines"; megatron tp=2 and
+dp=2 against megatron alone), 1e-5 relative; megatron's log-probabilities against the HF model's, 1e-5; a
+resumed state against training on, 1e-5.
 """
 from __future__ import annotations
 
@@ -715,6 +717,10 @@ def _megatron_run(url: str, key: str, seed: int) -> dict:
     training = client.create_lora_training_client(base_model=NAME, rank=4, seed=seed).result()
     data = [_datum(t, 3) for t in ROWS]
     out = {"start": [o["logprobs"].to_numpy() for o in training.forward(data, "cross_entropy").result().loss_fn_outputs]}
+    topk = [types.Datum(model_input=types.ModelInput.from_ints(t[:-1]),  # [N, 3] targets (top-K distillation)
+                        loss_fn_inputs={"target_tokens": np.array([[x, 7, 99] for x in t[1:]]),
+                                        "weights": np.ones((len(t) - 1, 3), np.float32)}) for t in ROWS]
+    out["start_k"] = [o["logprobs"].to_numpy() for o in training.forward(topk, "cross_entropy").result().loss_fn_outputs]
     losses = []
     for step in range(4):
         losses.append(training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
@@ -787,6 +793,11 @@ def test_megatron_backend_splits_the_base_over_tp_ranks_and_equals_one_process(t
 
     for ours, hf in zip(two["start"], hf_logprobs(model)):
         np.testing.assert_allclose(ours, hf, atol=1e-5)
+    with torch.no_grad():
+        for ours, t in zip(two["start_k"], ROWS):  # each position's [target, 7, 99] log-probabilities
+            every = torch.log_softmax(model(input_ids=torch.tensor([t[:-1]])).logits[0].float(), -1)
+            expected = every.gather(-1, torch.tensor([[x, 7, 99] for x in t[1:]])).numpy()
+            np.testing.assert_allclose(ours, expected, atol=1e-5)
     run_folder = quote(two["mid"].removeprefix("tinker://").split("/")[0], safe="")  # the server's layout
     folder = next(p for p in (tmp_path / "state").rglob("end") if (p / "adapter").is_dir() and run_folder in str(p))
     peft = PeftModel.from_pretrained(model, folder / "adapter").eval()

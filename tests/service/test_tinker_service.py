@@ -260,7 +260,7 @@ def test_limits_on_rank_and_tenants(service):
     again.close("success").result()
 
 
-def test_two_worker_processes_equal_one_replicated_or_sharded(tiny_model_dir, service):
+def test_two_worker_processes_equal_one_replicated_or_sharded(tiny_model_dir, service, tmp_path):
     """2 workers holding the model whole (rows shared out), 2 holding half of every weight (--fsdp: the
     adapters in pre-allocated rank-8 slots, a rank-4 tenant masked), and 2 machines of one sharded worker
     each (machine 1 joins with --node-rank 1), train as 1 does: a pass with a row for
@@ -278,7 +278,8 @@ def test_two_worker_processes_equal_one_replicated_or_sharded(tiny_model_dir, se
                "machines": dict(fsdp=True, nnodes=2, rdzv_endpoint=f"127.0.0.1:{port}")}
     for layout, parallel in layouts.items():
         config = ServiceConfig(model_id=str(tiny_model_dir), model_name=NAME, tokenizer_id=str(tiny_model_dir),
-                               mixed_precision="no", max_length=64, max_tenants=3, max_lora_rank=8, **parallel)
+                               mixed_precision="no", max_length=64, max_tenants=3, max_lora_rank=8,
+                               state_dir=tmp_path / layout, **parallel)
         server, thread, _, urls[layout] = _serve(config)
         servers.append((server, thread))
     try:

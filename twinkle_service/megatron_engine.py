@@ -115,7 +115,8 @@ class MegatronEngine(TinkerEngine):
         # megatron's cross-entropy works in place on the logits it is given, so each column gets its own copy)
         logprobs = torch.stack([-vocab_masked_token_losses(logits if k == 1 else logits.clone(), padded[..., j],
                                                            self.vocab_size) for j in range(k)], dim=-1)
-        return [logprobs[r, :n] if t.ndim == 2 else logprobs[r, :n, 0] for r, (n, t) in enumerate(zip(lengths, targets))]
+        return [logprobs[r, :n] if t.ndim == 2 else logprobs[r, :n, 0]
+                for r, (n, t) in enumerate(zip(lengths, targets))]
 
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Literal
 
 from prefect import flow
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from flows.cli import parse_args, report_user_errors
 from flows.params import DEFAULT_MODEL
-from twinkle_core.config.fields import ModelId, Nnodes, NodeRank, RdzvEndpoint, RdzvId, check_launch
+from twinkle_core.config.fields import MachinesFields, ModelId
 from twinkle_core.errors import UserError
 
 
@@ -44,7 +44,7 @@ WHERE = ("It sits beside the flows, above twinkle_core: this process serves HTTP
          "service (Tinker API)'.")
 
 
-class ServiceOptions(BaseModel):
+class ServiceOptions(MachinesFields):  # node 0 serves HTTP, the others only run their workers
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model_id: ModelId = Field(DEFAULT_MODEL, description="The base model (ms://, hf://, pkg://, a local path).")
@@ -66,11 +66,6 @@ class ServiceOptions(BaseModel):
     fsdp: bool = Field(False, description="Shard the base over the workers with FSDP2 (backend transformers): each "
                                           "holds 1/nproc_per_node of every weight; the adapters take "
                                           "--max-tenants slots of --max-lora-rank allocated at start.")
-    nnodes: Nnodes = 1
-    node_rank: NodeRank = Field(0, description="This machine's index, 0 .. nnodes-1: node 0 serves HTTP, the "
-                                               "others only run their workers (the same options otherwise).")
-    rdzv_endpoint: RdzvEndpoint = None
-    rdzv_id: RdzvId = "twinkle-service"
     state_dir: Path = Field(Path("service-state"), description="Where save_state writes, per API key; states "
                                                               "outlive the server.")
     api_keys_file: Path | None = Field(None, description="Allowed API keys, one per line (None: any tml-... key).")
@@ -85,7 +80,6 @@ class ServiceOptions(BaseModel):
                              "the transformers backend replicates the model on every worker (use --backend megatron)")
         if self.fsdp and self.backend != "transformers":
             raise ValueError("fsdp shards the transformers backend; backend megatron splits the base with --tp-size")
-        check_launch(self.nnodes, self.node_rank, self.rdzv_endpoint)
         if self.nproc_per_node % self.tp_size:
             raise ValueError(f"nproc_per_node={self.nproc_per_node} is not a multiple of tp_size={self.tp_size}")
         if self.backend == "megatron" and self.precision == "fp16":

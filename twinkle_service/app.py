@@ -61,7 +61,7 @@ class ServiceConfig:
     fsdp: bool = False  # transformers backend: the base sharded over the workers by FSDP2
     nnodes: int = 1  # machines in the worker tree (this one is node 0; the others join at rdzv_endpoint)
     rdzv_endpoint: str | None = None
-    rdzv_id: str = "twinkle-service"
+    rdzv_id: str = "twinkle"
     state_dir: Path = Path("service-state")  # saved training states, per key (they outlive the server)
     tracking_uri: str | None = None  # each session an MLflow run there (None: no MLflow)
     base_path: str | None = None  # the base's local folder and content hash: a registered adapter names them

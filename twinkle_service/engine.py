@@ -80,6 +80,10 @@ class TinkerEngine:
         """Give tenant `name` the weights of the PEFT adapter folder `source` (same rank)."""
         raise NotImplementedError
 
+    def _remove_adapter(self, name: str) -> None:
+        """Take tenant `name`'s adapter off the model (its weights and slot are free again)."""
+        self.model.remove_adapter(name)
+
     def _target_logprobs(self, data: list, groups: list[RowGroup]) -> list[torch.Tensor]:
         """Each row's log-probability of its target tokens (shaped like target_tokens), with autograd; the rows
         of a group go through its adapter."""
@@ -141,7 +145,7 @@ class TinkerEngine:
 
     def remove(self, name: str) -> None:
         if name in self.model.slots:
-            self.model.remove_adapter(name)
+            self._remove_adapter(name)
         self.optimizers.pop(name, None)
         for sampler_id in [k for k, (tenant, _) in self.samplers.items() if tenant == name]:
             del self.samplers[sampler_id]
@@ -360,10 +364,11 @@ class TinkerEngine:
         if not mine and self.every_rank_runs:  # a rank without rows runs one with its loss zeroed
             self._run_rows(requests, rows[:1], tenants, zeroed=True)
         results = dict(zip(mine, local))
-        if _rank_and_world()[1] > 1:  # (tensor-parallel peers hold the same results)
+        world = _rank_and_world()[1]
+        if world > 1:  # (tensor-parallel peers hold the same results)
             import torch.distributed as dist
 
-            gathered: list = [None] * _rank_and_world()[1]
+            gathered: list = [None] * world
             dist.all_gather_object(gathered, results)
             results = {k: v for part in gathered for k, v in part.items()}
         per_request: dict[int, list] = {i: [] for i in runnable}

@@ -30,7 +30,6 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from safetensors.torch import load_file, save_file
 
 from twinkle_core.errors import UserError
-from twinkle_core.models.lora_routing import RowGroup
 from twinkle_core.models.tenants import Tenant
 from twinkle_core.parallel.strategy import norm_as_float
 from twinkle_service.engine import _rank_and_world
@@ -42,6 +41,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 class ShardedEngine(TransformersEngine):
     every_rank_runs = True
+    chunked_head = False  # FSDP gathers the output layer's weight only inside the root module's forward
 
     def __init__(self, model_id: str, max_tenants: int = 8, max_rank: int = 64, max_length: int = 4096,
                  mixed_precision: str = "auto"):
@@ -51,7 +51,7 @@ class ShardedEngine(TransformersEngine):
         from twinkle_core.parallel.fsdp import decoder_layers, mixed_precision_policy
 
         super().__init__(model_id, max_tenants, max_rank, max_length, mixed_precision)
-        self.model.padding_free = False  # rows padded: the router's empty row groups, the root's forward
+        self.model.padding_free = False  # rows padded: the router's empty row groups
         self.max_rank = max_rank
         config = LoraConfig(r=max_rank, lora_alpha=max_rank, lora_dropout=0.0)
         for slot in range(max_tenants):
@@ -102,17 +102,14 @@ class ShardedEngine(TransformersEngine):
                 module.scaling[name] = config.lora_alpha / r
         self.model.slots.add(Tenant(name, config))
 
-    def remove(self, name: str) -> None:
-        if name in self.model.slots:
-            taken = {k for k in self._layers()[0].lora_A if k.startswith(FREE)}
-            free = next(f"{FREE}{i}" for i in range(self.model.slots.max_loras) if f"{FREE}{i}" not in taken)
-            for p in self.model.tenant_parameters(name):
-                p.grad = None
-            self._rename(name, free)
-            self.model.slots.remove(name)
-        self.optimizers.pop(name, None)
-        for sampler_id in [k for k, (tenant, _) in self.samplers.items() if tenant == name]:
-            del self.samplers[sampler_id]
+    def _remove_adapter(self, name: str) -> None:
+        """The tenant's slot becomes free again (its weights are set afresh by the next tenant to take it)."""
+        taken = {k for k in self._layers()[0].lora_A if k.startswith(FREE)}
+        free = next(f"{FREE}{i}" for i in range(self.model.slots.max_loras) if f"{FREE}{i}" not in taken)
+        for p in self.model.tenant_parameters(name):
+            p.grad = None
+        self._rename(name, free)
+        self.model.slots.remove(name)
 
     @staticmethod
     def _set(param: torch.nn.Parameter, full: torch.Tensor) -> None:
@@ -121,8 +118,8 @@ class ShardedEngine(TransformersEngine):
 
         param.copy_(distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements))
 
-    def _rank_of(self, name: str) -> int:
-        return self.model.slots.get(name, "rank").config.r
+    def _config(self, name: str) -> LoraConfig:
+        return self.model.slots.get(name, "config").config
 
     # ----- states ----------------------------------------------------------------------------------
     def _peft_keys(self, name: str) -> list[tuple[str, torch.nn.Parameter]]:
@@ -131,7 +128,8 @@ class ShardedEngine(TransformersEngine):
                 if f".lora_A.{name}." in key or f".lora_B.{name}." in key]
 
     def _write_adapter(self, name: str, folder: Path) -> None:
-        r = self._rank_of(name)
+        config = self._config(name)
+        r = config.r
         tensors = {}
         for key, p in self._peft_keys(name):  # every rank gathers (collective); rank 0 writes
             full = p.detach().full_tensor().float().cpu()
@@ -141,12 +139,9 @@ class ShardedEngine(TransformersEngine):
             target.mkdir()
             save_file(tensors, str(target / ADAPTER_WEIGHTS))
             modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[-1] for key in tensors})
-            LoraConfig(r=r, lora_alpha=self._alpha(name), lora_dropout=0.0, target_modules=modules,
+            LoraConfig(r=r, lora_alpha=config.lora_alpha, lora_dropout=0.0, target_modules=modules,
                        task_type="CAUSAL_LM").save_pretrained(str(target))
             self.model.tokenizer.save_pretrained(str(target))
-
-    def _alpha(self, name: str) -> int:
-        return self.model.slots.get(name, "alpha").config.lora_alpha
 
     def _read_adapter(self, name: str, source: Path) -> None:
         weights = load_file(str(source / ADAPTER_WEIGHTS))
@@ -154,7 +149,7 @@ class ShardedEngine(TransformersEngine):
         missing = [key for key, _ in keys if key not in weights]
         if missing:
             raise UserError(f"the saved state lacks {len(missing)} of this model's adapter weights (e.g. {missing[0]})")
-        pad = self.max_rank - self._rank_of(name)
+        pad = self.max_rank - self._config(name).r
         with torch.no_grad():
             for key, p in keys:
                 value = weights[key].float()
@@ -195,22 +190,3 @@ class ShardedEngine(TransformersEngine):
         if grads:
             torch._foreach_mul_(grads, float(self.world))
         return norm_as_float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-
-    def _target_logprobs(self, data: list, groups: list[RowGroup]) -> list[torch.Tensor]:
-        """Right-padded rows through the root module (FSDP gathers every weight for its forward)."""
-        lengths = [len(d.tokens) for d in data]
-        input_ids = torch.zeros(len(data), max(lengths), dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
-        for r, d in enumerate(data):
-            input_ids[r, :len(d.tokens)] = torch.from_numpy(d.tokens)
-            mask[r, :len(d.tokens)] = 1
-        with self.model.router.route(groups), self.model.precision.autocast(self.device.type):
-            logits = self.model.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits
-        out = []
-        for r, d in enumerate(data):
-            row = torch.log_softmax(logits[r, :len(d.tokens)].float(), dim=-1)
-            t = torch.as_tensor(d.inputs["target_tokens"], dtype=torch.long, device=self.device)
-            gathered = row.gather(-1, t if t.ndim == 2 else t[:, None])
-            out.append(gathered if t.ndim == 2 else gathered[:, 0])
-        return out
-

@@ -25,6 +25,7 @@ from twinkle_service.engine import TinkerEngine, _rank_and_world
 
 
 class TransformersEngine(TinkerEngine):
+    chunked_head = True  # the output layer over the rows' positions a chunk at a time, outside the model's forward
     def __init__(self, model_id: str, max_tenants: int = 8, max_rank: int = 64, max_length: int = 4096,
                  mixed_precision: str = "auto"):
         self.model = MultiLoraTransformersModel(model_id, mixed_precision, max_loras=max_tenants, max_r=max_rank)
@@ -91,7 +92,7 @@ class TransformersEngine(TinkerEngine):
         base = unwrap(self.model.model)
         head = base.get_output_embeddings() if has_plain_head(base) else None
         with route, self.model.precision.autocast(device.type), padding_free_forward(inputs):
-            if head is not None and fusable_head(head) and all(t.ndim == 1 for t in targets):
+            if self.chunked_head and head is not None and fusable_head(head) and all(t.ndim == 1 for t in targets):
                 # The output layer a chunk of positions at a time: no [rows, length, vocab] logits (they made
                 # a 12-row mixed batch of a 49k vocabulary several times slower than its rows one by one).
                 hidden = backbone(base)(**inputs, use_cache=False).last_hidden_state.flatten(0, 1)[where]

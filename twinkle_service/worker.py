@@ -14,13 +14,13 @@ import argparse
 import logging
 import os
 import secrets
-import sys
 import threading
 import traceback
 from multiprocessing.connection import Client, Listener
+from types import SimpleNamespace
 
 from twinkle_core.errors import UserError
-from twinkle_core.launch import WorkerError, run_streaming, torchrun_command
+from twinkle_core.launch import WorkerError, run_streaming, torchrun_command_for
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class WorkerTree:
     def __init__(self, model_id: str, max_tenants: int, max_rank: int, max_length: int, mixed_precision: str,
                  nproc_per_node: int = 1, start_timeout_s: float = 600.0, backend: str = "transformers",
                  tp_size: int = 1, fsdp: bool = False, nnodes: int = 1, rdzv_endpoint: str | None = None,
-                 rdzv_id: str = "twinkle-service"):
+                 rdzv_id: str = "twinkle"):
         """`nnodes` > 1: this machine is node 0 of the tree; the others join it (`join_tree`) at `rdzv_endpoint`."""
         authkey = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
@@ -122,15 +122,13 @@ def worker_args(model_id: str, max_tenants: int, max_rank: int, max_length: int,
 
 def _command(args: list[str], nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
              rdzv_id: str) -> list[str]:
-    module = "twinkle_service.worker"
-    if nproc_per_node == 1 and nnodes == 1:
-        return [sys.executable, "-m", module, *args]
-    return torchrun_command(module, args, nproc_per_node, rdzv_endpoint if nnodes > 1 else None, nnodes, node_rank,
-                            rdzv_id)
+    launch = SimpleNamespace(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                             rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=0)
+    return torchrun_command_for(launch, "twinkle_service.worker", args)
 
 
 def join_tree(args: list[str], nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str,
-              rdzv_id: str = "twinkle-service") -> None:
+              rdzv_id: str = "twinkle") -> None:
     """Run this machine's workers of a tree whose node 0 serves HTTP (`worker_args` without `connect`: the
     leader is on node 0); returns when the server stops them."""
     run_streaming(_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id),
